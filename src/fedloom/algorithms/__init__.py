@@ -1,0 +1,65 @@
+"""Algorithms by name. One module per algorithm: ``fedloom/algorithms/<name>.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from fedloom.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    ClientResult,
+    ClientTask,
+)
+from fedloom.algorithms.centralized import Centralized
+from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.fedavg_ft import FedAvgFT
+from fedloom.algorithms.fedprox import FedProx
+from fedloom.algorithms.fedsgd import FedSGD
+from fedloom.algorithms.local import LocalOnly
+from fedloom.errors import ConfigError
+from fedloom.registry import Registry
+
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithm.name")
+for _cls in (FedSGD, FedAvg, FedProx, LocalOnly, FedAvgFT, Centralized):
+    ALGORITHMS.add(_cls.name, _cls)
+
+
+def parse_algorithm_config(raw: dict[str, Any]) -> AlgorithmConfig:
+    """Validate ``algorithm:`` keys with the named algorithm's Config; errors name the key."""
+    from fedloom.config import format_validation_error
+
+    cls = ALGORITHMS.get(str(raw.get("name")))
+    try:
+        return cls.Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, cls.Config, prefix="algorithm.")) from None
+
+
+def build_algorithm(raw: dict[str, Any], ctx: AlgorithmContext) -> Algorithm:
+    config = parse_algorithm_config(raw)
+    return ALGORITHMS.get(config.name)(config, ctx)
+
+
+def describe(cls: type[Algorithm]) -> str:
+    """One line: name, summary and hyperparameters with defaults."""
+    fields = [
+        f"{k}={f.default!r}" for k, f in cls.Config.model_fields.items() if k != "name"
+    ]
+    params = f" [{', '.join(fields)}]" if fields else ""
+    return f"{cls.name:<12} {cls.summary}{params}"
+
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "AlgorithmConfig",
+    "AlgorithmContext",
+    "ClientResult",
+    "ClientTask",
+    "build_algorithm",
+    "describe",
+    "parse_algorithm_config",
+]

@@ -1,0 +1,126 @@
+"""The algorithm interface: four small pure pieces around a shared engine (DESIGN.md 2.1).
+
+An algorithm says what the server sends (``server_message``), what one client does with it
+(``client_update``), how the server folds the uploads into its state (``aggregate``) and which
+model each client deploys (``deployed_model``). Persistent per-client state is declared by
+``init_client_state`` and owned by the engine, which stores, checkpoints and (later) stacks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from fedloom.data.federated import ClientData
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.pytree import Tree
+
+State = dict[str, Any]
+"""A server's or client's persistent state: a (nested) dict of tensors and trees."""
+
+Message = dict[str, Tree]
+"""What travels between server and client, namespaced (``params``, ``buffers``, ``grad`` ...)."""
+
+
+class AlgorithmConfig(BaseModel):
+    """Base of every algorithm's hyperparameters; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+
+
+@dataclass
+class ClientTask:
+    """One client's work order for one round, prepared by the engine."""
+
+    client_id: int
+    data: ClientData
+    plan: list[torch.Tensor]
+    """Minibatch index tensors, one per local step (stragglers get a truncated plan)."""
+    lr: float
+    round: int
+
+
+@dataclass
+class ClientResult:
+    upload: Message
+    weight: float
+    """Aggregation weight proposed by the client (its number of training samples)."""
+    loss: float
+    state: State | None = None
+    info: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class AlgorithmContext:
+    """What the engine hands an algorithm: the model as functions, training settings, the
+    server's aggregation rule (the single place robust rules plug in), and how to make the
+    fine-tuning plan for a client."""
+
+    model: FunctionalModel
+    seed: int
+    num_clients: int
+    lr: float
+    batch_size: int | None
+    aggregate: Any
+    """Callable (trees, weights) -> tree: weighted mean unless a robust rule replaces it."""
+    make_plan: Any
+    """Callable (client_data, num_steps, purpose, round, client_id) -> list of index tensors."""
+
+
+class Algorithm:
+    """Base class. Subclasses set ``name``, ``summary`` and ``Config`` and override the hooks."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    Config: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    communicates: ClassVar[bool] = True
+    """False for algorithms that send nothing (local-only, centralized): bytes stay 0."""
+    pooled: ClassVar[bool] = False
+    """True for the centralized reference: one virtual client holds all training data."""
+    has_global_model: ClassVar[bool] = True
+
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
+        self.config = config
+        self.ctx = ctx
+
+    # -- server ---------------------------------------------------------------------------
+    def init_server_state(self, params: Tree, buffers: Tree) -> State:
+        return {"params": params, "buffers": buffers}
+
+    def server_message(self, server: State) -> Message:
+        return {"params": server["params"], "buffers": server["buffers"]}
+
+    def aggregate(self, server: State, results: list[ClientResult]) -> State:
+        raise NotImplementedError
+
+    def global_model(self, server: State) -> tuple[Tree, Tree] | None:
+        return (server["params"], server["buffers"]) if self.has_global_model else None
+
+    # -- client ---------------------------------------------------------------------------
+    def init_client_state(self, server: State, client_id: int) -> State | None:
+        """Initial persistent state of a client (None: the algorithm keeps none)."""
+        return None
+
+    def client_update(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+        raise NotImplementedError
+
+    def deployed_model(self, server: State, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+        """The model client ``task.client_id`` uses for inference (its personalized model)."""
+        model = self.global_model(server)
+        assert model is not None, f"{self.name} must override deployed_model"
+        return model
+
+    # -- shared pieces --------------------------------------------------------------------
+    def aggregate_models(self, results: list[ClientResult], weights: list[float] | None = None) -> State:
+        """Weighted mean of uploaded ``params`` and ``buffers`` (FedAvg's server step)."""
+        w = weights if weights is not None else [r.weight for r in results]
+        return {
+            "params": self.ctx.aggregate([r.upload["params"] for r in results], w),
+            "buffers": self.ctx.aggregate([r.upload["buffers"] for r in results], w)
+            if results[0].upload["buffers"]
+            else {},
+        }

@@ -1,0 +1,32 @@
+"""FedAvg + local fine-tuning: train with FedAvg, and before evaluation each client runs k
+local SGD steps from the global model on its own training data (the simplest personalization
+baseline of seed 004, section 三)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fedloom.algorithms.base import AlgorithmConfig, ClientTask, State
+from fedloom.algorithms.fedavg import FedAvg
+from fedloom.engine.local import local_sgd
+from fedloom.engine.pytree import Tree
+
+
+class FedAvgFTConfig(AlgorithmConfig):
+    finetune_steps: int = Field(default=10, ge=0, description="local SGD steps before evaluation")
+    finetune_lr: float | None = Field(default=None, gt=0, description="default: train.lr")
+
+
+class FedAvgFT(FedAvg):
+    name = "fedavg_ft"
+    summary = "FedAvg, then k local fine-tuning steps per client before evaluation"
+    Config = FedAvgFTConfig
+
+    def deployed_model(self, server: State, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+        data = task.data
+        plan = self.ctx.make_plan(data, self.config.finetune_steps, "finetune", task.round, task.client_id)
+        lr = self.config.finetune_lr or self.ctx.lr
+        params, buffers, _ = local_sgd(
+            self.ctx.model, server["params"], server["buffers"], data.x_train, data.y_train, plan, lr
+        )
+        return params, buffers

@@ -1,0 +1,28 @@
+"""FedProx (Li et al., MLSys 2020, arXiv:1812.06127); seed 002, section 一, FedProx card.
+
+Each client approximately minimizes h_k(w; w_t) = F_k(w) + mu/2 ||w - w_t||^2 with the same
+local SGD as FedAvg; the proximal term adds mu (w - w_t) to every step's gradient. mu = 0 is
+FedAvg exactly. The server aggregates as FedAvg does.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fedloom.algorithms.base import AlgorithmConfig, Message
+from fedloom.algorithms.fedavg import FedAvg
+from fedloom.engine.functional import GradCorrection
+from fedloom.engine.proximal import proximal_gradient
+
+
+class FedProxConfig(AlgorithmConfig):
+    mu: float = Field(default=0.01, ge=0.0, description="proximal coefficient (paper: 0.001-1)")
+
+
+class FedProx(FedAvg):
+    name = "fedprox"
+    summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w_t||^2 (Li et al., 2020)"
+    Config = FedProxConfig
+
+    def correction(self, message: Message) -> GradCorrection | None:
+        return proximal_gradient(message["params"], self.config.mu)

@@ -1,0 +1,36 @@
+"""Local-only training: every client trains its own model from the common initialization and
+never communicates. The lower reference of every algorithm card's baselines."""
+
+from __future__ import annotations
+
+from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.engine.local import local_sgd
+from fedloom.engine.pytree import Tree, clone
+
+
+class LocalOnly(Algorithm):
+    name = "local"
+    summary = "Local-only: each client trains its own model, no communication"
+    communicates = False
+    has_global_model = False
+
+    def server_message(self, server: State) -> Message:
+        return {}
+
+    def init_client_state(self, server: State, client_id: int) -> State:
+        return {"params": clone(server["params"]), "buffers": clone(server["buffers"])}
+
+    def client_update(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+        assert state is not None
+        params, buffers, loss = local_sgd(
+            self.ctx.model, state["params"], state["buffers"],
+            task.data.x_train, task.data.y_train, task.plan, task.lr,
+        )
+        return ClientResult({}, task.data.num_train, loss, state={"params": params, "buffers": buffers})
+
+    def aggregate(self, server: State, results: list[ClientResult]) -> State:
+        return server
+
+    def deployed_model(self, server: State, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+        state = state or self.init_client_state(server, task.client_id)
+        return state["params"], state["buffers"]

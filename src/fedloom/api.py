@@ -1,0 +1,92 @@
+"""The Python API (DESIGN.md 3.3): ``fedloom.run(config, data=None, model=None)``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fedloom.algorithms import parse_algorithm_config
+from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
+from fedloom.data import FederatedData, load_dataset
+from fedloom.engine.loop import Engine, RunResult
+from fedloom.engine.rundir import RunDir, default_run_dir
+from fedloom.errors import ConfigError, RunDirError
+from fedloom.models import MODELS, build_model
+
+
+def _save_inputs(run_dir: RunDir, config: RunConfig, data: FederatedData) -> None:
+    run_dir.write_config(config.to_yaml())
+    hist = data.label_histogram()
+    if hist is not None:
+        run_dir.write_json("label_histogram.json", {"client_names": data.client_names, "counts": hist})
+
+
+def _check_resume(run_dir: RunDir, config: RunConfig | None) -> RunConfig:
+    saved = parse_config(load_yaml(run_dir.config_path))
+    if config is not None and config.to_dict() != saved.to_dict():
+        a, b = saved.to_dict(), config.to_dict()
+        diff = sorted(_diff_keys(a, b))
+        raise RunDirError(
+            f"cannot resume {run_dir.path}: its config.yaml differs from the given config at "
+            f"{', '.join(diff)}; resume without a config, or start a new run"
+        )
+    return saved
+
+
+def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff_keys(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def run(
+    config: RunConfig | dict[str, Any] | str | Path | None = None,
+    *,
+    data: FederatedData | None = None,
+    model: nn.Module | None = None,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    progress: bool | None = None,
+    write: bool = True,
+) -> RunResult:
+    """Run one experiment and return its summary, history and models.
+
+    ``config`` is a path, a dict or a RunConfig (None: the embedded default). ``data`` and
+    ``model`` replace the configured dataset and model. ``out`` is the run directory (default
+    ``runs/<algorithm>-<dataset>-<time>``); ``resume`` continues a run directory from its last
+    checkpoint; ``write=False`` keeps everything in memory.
+    """
+    run_dir: RunDir | None = None
+    if resume is not None:
+        run_dir = RunDir.open_existing(resume)
+        cfg = _check_resume(run_dir, None if config is None else resolve_config(config))
+    else:
+        cfg = resolve_config(config)
+    parse_algorithm_config(cfg.algorithm)  # fail fast, before loading data
+    if model is None:
+        MODELS.get(cfg.model.name)
+    if data is None:
+        data = load_dataset(cfg.data, cfg.seed)
+    module = model if model is not None else build_model(cfg.model.name, data.input_shape, data.num_outputs)
+    if resume is None and write:
+        run_dir = RunDir.create(out or default_run_dir(cfg.algorithm["name"], data.name))
+        _save_inputs(run_dir, cfg, data)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    engine = Engine(cfg, data, module, run_dir=run_dir, progress=progress)
+    result = engine.run(resume=resume is not None)
+    if run_dir is not None:
+        run_dir.write_json("summary.json", result.summary)
+        from fedloom.report import write_report
+
+        write_report(run_dir.path)
+    return result
+
+
+__all__ = ["ConfigError", "RunResult", "run"]

@@ -1,0 +1,131 @@
+"""The ``fedloom`` command (DESIGN.md 3.2). Exit status: 0 success, 2 bad config or input
+(one message, no traceback unless --debug), 1 anything else."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from fedloom.errors import FedloomInputError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Federated and personalized federated learning simulations.",
+    pretty_exceptions_enable=False,
+)
+err_console = Console(stderr=True)
+
+
+def _fail(err: BaseException, debug: bool) -> None:
+    if debug:
+        traceback.print_exception(err)
+    if isinstance(err, FedloomInputError):
+        err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    if isinstance(err, KeyboardInterrupt):
+        err_console.print("interrupted; resume with `fedloom run --resume RUN_DIR`")
+        raise typer.Exit(130)
+    err_console.print(f"[bold red]fedloom failed:[/] {type(err).__name__}: {err} (rerun with --debug)")
+    raise typer.Exit(1)
+
+
+@app.command()
+def run(
+    config: Annotated[
+        Path | None, typer.Argument(help="YAML config; omit for the embedded default experiment")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a key: --set train.rounds=5")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="run directory (must not exist)")] = None,
+    resume: Annotated[
+        Path | None, typer.Option(help="continue RUN_DIR from its last checkpoint")
+    ] = None,
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """Run an experiment and write its run directory (metrics, summary, report, checkpoints)."""
+    from fedloom.api import run as run_api
+    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml, parse_config
+
+    try:
+        cfg = None
+        if config is not None or set_:
+            raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
+            cfg = parse_config(apply_overrides(raw, set_ or []))
+        if resume is not None and out is not None:
+            raise FedloomInputError("--out and --resume exclude each other: a resumed run stays in RUN_DIR")
+        result = run_api(cfg, out=out, resume=resume)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the CLI boundary
+        _fail(err, debug)
+        return
+    s = result.summary
+    final = s["final"]
+    glob, pers = final.get("global") or {}, final.get("personalized") or {}
+    lines = [f"run directory: {result.run_dir.path if result.run_dir else '-'}"]
+    if glob.get("accuracy") is not None:
+        lines.append(f"global accuracy {glob['accuracy']:.4f}, loss {glob['loss']:.4f}")
+    elif glob.get("loss") is not None:
+        lines.append(f"global loss {glob['loss']:.6g}")
+    if pers.get("accuracy_mean") is not None:
+        lines.append(
+            "personalized accuracy mean {accuracy_mean:.4f}  P10 {accuracy_p10:.4f}  "
+            "P50 {accuracy_p50:.4f}  P90 {accuracy_p90:.4f}  min {accuracy_min:.4f}".format(**pers)
+        )
+    elif pers.get("loss_mean") is not None:
+        lines.append(f"personalized loss mean {pers['loss_mean']:.6g}")
+    comm = s["communication"]
+    lines.append(
+        f"bytes up {comm['bytes_up']:,}  down {comm['bytes_down']:,}  "
+        f"{s['seconds_per_round']:.3f} s/round, {s['wall_seconds']:.1f} s"
+    )
+    typer.echo("\n".join(lines))
+
+
+@app.command()
+def algorithms() -> None:
+    """List the registered algorithms with their hyperparameters."""
+    from fedloom.algorithms import ALGORITHMS, describe
+
+    for name in ALGORITHMS:
+        typer.echo(describe(ALGORITHMS.get(name)))
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory")],
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """(Re)build RUN_DIR/report.html."""
+    from fedloom.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except Exception as err:  # noqa: BLE001 - the CLI boundary
+        _fail(err, debug)
+        return
+    typer.echo(str(path))
+
+
+@app.command()
+def summary(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
+    """Print RUN_DIR/summary.json."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        err_console.print(f"[bold red]error:[/] {path} not found")
+        raise typer.Exit(2)
+    typer.echo(json.dumps(json.loads(path.read_text()), indent=2))
+
+
+def main() -> None:
+    try:
+        app()
+    except SystemExit as exc:
+        # Click reports usage errors with status 2 already; keep every other status as is.
+        sys.exit(exc.code)

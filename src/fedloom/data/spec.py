@@ -1,0 +1,51 @@
+"""What a dataset declares (``DatasetSpec``) and what a loader is given (``DataRequest``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from fedloom.data.federated import FederatedData
+from fedloom.data.partition import Partition
+from fedloom.registry import Registry
+
+
+class NoOptions(BaseModel):
+    """Datasets without options: any key under ``data.<name>`` is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """The validated ``data`` config a loader builds from."""
+
+    name: str
+    root: Path
+    root_source: str
+    num_clients: int | None
+    partition: Partition
+    test_fraction: float
+    options: BaseModel
+    seed: int
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registered dataset: its loader, allowed partitions and defaults."""
+
+    name: str
+    build: Callable[[DataRequest], FederatedData]
+    partitions: tuple[str, ...]
+    default_partition: str
+    default_num_clients: int | None
+    options: type[BaseModel] = NoOptions
+
+
+DATASETS: Registry[DatasetSpec] = Registry("dataset", "data.name")
+
+IMAGE_PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "rotation")
+NATURAL = ("natural",)

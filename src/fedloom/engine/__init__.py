@@ -1,0 +1,1 @@
+"""The engine: round loop, executors, local solver, evaluation, run directory."""

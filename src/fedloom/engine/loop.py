@@ -1,0 +1,287 @@
+"""The round loop: sampling, client work, message transforms, aggregation, evaluation,
+metrics, checkpoints. Algorithms never re-implement any of it (DESIGN.md 2.2)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedloom.algorithms import Algorithm, AlgorithmContext, ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms.base import Message, State
+from fedloom.config import RunConfig
+from fedloom.data.federated import ClientData, FederatedData
+from fedloom.engine import pytree
+from fedloom.engine.executor import make_executor
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.local import batch_plan, num_local_steps
+from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
+from fedloom.engine.progress import RoundProgress
+from fedloom.engine.rundir import RunDir
+from fedloom.engine.sampling import sample_clients, straggler_steps
+from fedloom.errors import ConfigError, RunDirError
+from fedloom.models.base import FedModel
+from fedloom.rng import generator
+
+POOLED_CLIENT = -1
+"""Client id of the virtual client that holds all data (centralized training)."""
+
+UploadTransform = Callable[[Message, int, int], Message]
+"""(upload, client_id, round) -> upload: clipping, noise, masking, encryption plug in here."""
+
+Aggregator = Callable[[list[pytree.Tree], list[float]], pytree.Tree]
+"""(trees, weights) -> tree: the server's aggregation rule (robust rules plug in here)."""
+
+
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+    global_params: dict[str, torch.Tensor] | None
+    client_params: dict[int, dict[str, torch.Tensor]]
+    run_dir: RunDir | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def pooled_client(data: FederatedData, ids: list[int]) -> ClientData:
+    parts = [data.clients[i] for i in ids]
+    return ClientData(
+        torch.cat([c.x_train for c in parts]),
+        torch.cat([c.y_train for c in parts]),
+        torch.cat([c.x_test for c in parts]),
+        torch.cat([c.y_test for c in parts]),
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        config: RunConfig,
+        data: FederatedData,
+        module: FedModel,
+        run_dir: RunDir | None = None,
+        progress: bool = False,
+        upload_transforms: list[UploadTransform] | None = None,
+        aggregator: Aggregator = pytree.weighted_average,
+    ) -> None:
+        self.config = config
+        self.data = data
+        self.run_dir = run_dir
+        self.progress = progress
+        self.upload_transforms = list(upload_transforms or [])
+        self.model = FunctionalModel(module, data.task)
+        self.executor = make_executor(config.executor.kind)
+        train = config.train
+        new = config.eval.new_clients
+        if new >= data.num_clients:
+            raise ConfigError(
+                f"eval.new_clients: {new} leaves no client to train (there are {data.num_clients})"
+            )
+        self.train_ids = list(range(data.num_clients - new))
+        self.new_ids = list(range(data.num_clients - new, data.num_clients))
+        if train.clients_per_round is not None and train.clients_per_round > len(self.train_ids):
+            raise ConfigError(
+                f"train.clients_per_round: {train.clients_per_round} is more than the "
+                f"{len(self.train_ids)} training clients (data.num_clients={data.num_clients}"
+                f", eval.new_clients={new})"
+            )
+        ctx = AlgorithmContext(
+            model=self.model,
+            seed=config.seed,
+            num_clients=data.num_clients,
+            lr=train.lr,
+            batch_size=train.batch_size,
+            aggregate=aggregator,
+            make_plan=self.make_plan,
+        )
+        self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
+        self._pooled = pooled_client(data, self.train_ids) if self.algorithm.pooled else None
+
+    # -- per-client work orders -----------------------------------------------------------
+    def client_data(self, client_id: int) -> ClientData:
+        if client_id == POOLED_CLIENT:
+            assert self._pooled is not None
+            return self._pooled
+        return self.data.clients[client_id]
+
+    def make_plan(
+        self, data: ClientData, num_steps: int, purpose: str, round: int, client_id: int
+    ) -> list[torch.Tensor]:
+        gen = generator(self.config.seed, purpose, round, client_id)
+        return batch_plan(data.num_train, self.config.train.batch_size, num_steps, gen)
+
+    def tasks_for_round(self, round: int, clients: list[int]) -> list[ClientTask]:
+        train = self.config.train
+        datas = [self.client_data(c) for c in clients]
+        full = [
+            num_local_steps(d.num_train, train.batch_size, train.local_epochs, train.local_steps)
+            for d in datas
+        ]
+        steps = straggler_steps(self.config.seed, round, clients, full, train.stragglers)
+        return [
+            ClientTask(c, d, self.make_plan(d, s, "batches", round, c), train.lr, round)
+            for c, d, s in zip(clients, datas, steps, strict=True)
+        ]
+
+    # -- evaluation -----------------------------------------------------------------------
+    def _counts(self, params: pytree.Tree, buffers: pytree.Tree, data: ClientData) -> EvalCounts:
+        return EvalCounts(
+            *self.model.evaluate(params, buffers, data.x_test, data.y_test, self.config.eval.batch_size)
+        )
+
+    def evaluate(
+        self, server: State, states: dict[int, State | None], round: int
+    ) -> tuple[dict[str, Any], dict[int, pytree.Tree]]:
+        classification = self.data.task == "classification"
+        row: dict[str, Any] = {}
+        global_model = self.algorithm.global_model(server)
+        if global_model is not None:
+            counts = [self._counts(*global_model, c) for c in self.data.clients]
+            row["global"] = pooled(counts, classification)
+        else:
+            row["global"] = None
+        deployed: dict[int, pytree.Tree] = {}
+        groups = {"personalized": self.train_ids, "new_clients": self.new_ids}
+        for key, ids in groups.items():
+            if not ids:
+                continue
+            counts = []
+            for cid in ids:
+                data = self.data.clients[cid]
+                state = states.get(cid)
+                if state is None:
+                    state = self.algorithm.init_client_state(server, cid)
+                params, buffers = self.algorithm.deployed_model(
+                    server, state, ClientTask(cid, data, [], self.config.train.lr, round)
+                )
+                deployed[cid] = {**params, **buffers}
+                counts.append(self._counts(params, buffers, data))
+            row[key] = client_quantiles(counts, classification)
+            if key == "personalized" and classification:
+                row["client_accuracy"] = [c.accuracy if c.n else None for c in counts]
+        return row, deployed
+
+    # -- the loop -------------------------------------------------------------------------
+    def _initial(self) -> dict[str, Any]:
+        params, buffers = self.model.initial_state(self.config.seed)
+        return {
+            "round": 0,
+            "server": self.algorithm.init_server_state(params, buffers),
+            "clients": {},
+            "history": [],
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "elapsed": 0.0,
+        }
+
+    def run(self, resume: bool = False) -> RunResult:
+        cfg = self.config
+        torch.set_num_threads(cfg.executor.threads or 1)
+        st = self._initial()
+        if resume:
+            assert self.run_dir is not None
+            saved = self.run_dir.latest_checkpoint()
+            if saved is None:
+                raise RunDirError(f"{self.run_dir.path} has no checkpoint to resume from")
+            st = saved
+            self.run_dir.rewrite_metrics(st["history"])
+        history: list[dict[str, Any]] = st["history"]
+        server, states = st["server"], st["clients"]
+        rounds = cfg.train.rounds
+        deployed: dict[int, pytree.Tree] = {}
+        start = time.perf_counter() - st["elapsed"]
+        first = st["round"] + 1
+        with RoundProgress(rounds, first - 1, enabled=self.progress) as bar:
+            for round in range(first, rounds + 1):
+                server, states, st = self._one_round(round, server, states, st)
+                last = round == rounds
+                if round % cfg.eval.every == 0 or last:
+                    row, deployed = self.evaluate(server, states, round)
+                    row = {
+                        "round": round,
+                        "wall_seconds": time.perf_counter() - start,
+                        "train_loss": st["train_loss"],
+                        "participants": st["participants"],
+                        **row,
+                        "communication": {"bytes_up": st["bytes_up"], "bytes_down": st["bytes_down"]},
+                    }
+                    history.append(row)
+                    if self.run_dir:
+                        self.run_dir.append_metrics(row)
+                    bar.show_metrics(row)
+                every = cfg.checkpoint.every
+                if self.run_dir and every and (round % every == 0 or last):
+                    st["elapsed"] = time.perf_counter() - start
+                    payload = {**st, "round": round, "server": server, "clients": states, "history": history}
+                    self.run_dir.save_checkpoint(round, payload, cfg.checkpoint.keep)
+                bar.advance()
+        wall = time.perf_counter() - start
+        if not deployed:  # resumed at the very end: evaluate once to report client models
+            _, deployed = self.evaluate(server, states, rounds)
+        summary = self._summary(history, st, wall)
+        global_model = self.algorithm.global_model(server)
+        return RunResult(
+            summary=summary,
+            history=history,
+            global_params={**global_model[0], **global_model[1]} if global_model else None,
+            client_params=deployed,
+            run_dir=self.run_dir,
+        )
+
+    def _one_round(
+        self, round: int, server: State, states: dict[int, State | None], st: dict[str, Any]
+    ) -> tuple[State, dict[int, State | None], dict[str, Any]]:
+        cfg = self.config
+        if self.algorithm.pooled:
+            clients = [POOLED_CLIENT]
+        else:
+            clients = sample_clients(cfg.seed, round, self.train_ids, cfg.train.clients_per_round)
+        for c in clients:
+            if c not in states:
+                states[c] = self.algorithm.init_client_state(server, c)
+        message = self.algorithm.server_message(server)
+        tasks = self.tasks_for_round(round, clients)
+        results: list[ClientResult] = self.executor.run_round(
+            self.algorithm, message, tasks, [states[c] for c in clients]
+        )
+        for task, result in zip(tasks, results, strict=True):
+            for transform in self.upload_transforms:
+                result.upload = transform(result.upload, task.client_id, round)
+            if result.state is not None:
+                states[task.client_id] = result.state
+        if self.algorithm.communicates:
+            st["bytes_down"] += len(clients) * message_bytes(message)
+            st["bytes_up"] += sum(message_bytes(r.upload) for r in results)
+        server = self.algorithm.aggregate(server, results)
+        total = sum(r.weight for r in results)
+        st["train_loss"] = sum(r.loss * r.weight for r in results) / total if total else None
+        st["participants"] = len(clients)
+        return server, states, st
+
+    def _summary(self, history: list[dict[str, Any]], st: dict[str, Any], wall: float) -> dict[str, Any]:
+        cfg = self.config
+        last = history[-1] if history else {}
+        personalized = {k: v for k, v in (last.get("personalized") or {}).items()}
+        summary = {
+            "algorithm": self.algorithm.name,
+            "dataset": self.data.name,
+            "model": cfg.model.name,
+            "num_clients": self.data.num_clients,
+            "rounds": cfg.train.rounds,
+            "seed": cfg.seed,
+            "executor": self.executor.name,
+            "final": {"global": last.get("global"), "personalized": personalized},
+            "communication": {"bytes_up": st["bytes_up"], "bytes_down": st["bytes_down"]},
+            "wall_seconds": wall,
+            "seconds_per_round": wall / cfg.train.rounds,
+        }
+        if last.get("new_clients"):
+            summary["final"]["new_clients"] = last["new_clients"]
+        return summary
+
+
+def message_bytes(message: Message) -> int:
+    return sum(pytree.num_bytes(tree) for tree in message.values())

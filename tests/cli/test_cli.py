@@ -1,0 +1,159 @@
+"""The command line: exit statuses, messages that name the key, no lost output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fedloom(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fedloom", *args],
+        capture_output=True, text=True, cwd=cwd, timeout=timeout,
+    )
+
+
+def write_config(tmp_path: Path, **sections) -> Path:
+    cfg = {
+        "data": {"name": "digits", "num_clients": 6},
+        "model": {"name": "logreg"},
+        "algorithm": {"name": "fedavg"},
+        "train": {"rounds": 2, "local_steps": 2},
+        "eval": {"every": 1},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"train": {"lrr": 0.1}}, ["train.lrr", "did you mean", "train.lr"]),
+        ({"algorithm": {"name": "fedavgg"}}, ["algorithm.name", "fedavg"]),
+        ({"algorithm": {"name": "fedprox", "mu": -1}}, ["algorithm.mu"]),
+        ({"algorithm": {"name": "fedprox", "muu": 1}}, ["algorithm.muu", "mu"]),
+        ({"train": {"lr": 0}}, ["train.lr", "greater than 0"]),
+        ({"train": {"local_epochs": 1, "local_steps": 2}}, ["local_epochs", "local_steps"]),
+        ({"train": {"clients_per_round": 50}}, ["train.clients_per_round", "50"]),
+        ({"data": {"name": "mnits"}}, ["data.name", "mnist"]),
+        ({"data": {"partition": {"kind": "dirichlet", "alpha": 0}}}, ["data.partition.alpha"]),
+        ({"data": {"partition": {"kind": "shards", "shards_per_client": 50}}}, ["shards_per_client"]),
+        ({"data": {"partition": {"kind": "dirichelt"}}}, ["data.partition.kind", "dirichlet"]),
+        ({"model": {"name": "cnnn"}}, ["model.name", "cnn"]),
+        ({"executor": {"kind": "gpu"}}, ["executor.kind"]),
+        ({"bogus": 1}, ["bogus", "unknown key"]),
+    ],
+)
+def test_config_errors_exit_2_and_name_the_key(tmp_path, sections, expected):
+    path = write_config(tmp_path, **sections)
+    proc = fedloom("run", str(path), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr
+    message = " ".join(proc.stderr.split()).lower()
+    for needle in expected:
+        assert needle.lower() in message, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_data_file_exits_2_and_names_the_file(tmp_path):
+    path = write_config(tmp_path, data={"name": "mnist", "root": str(tmp_path / "empty")})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedloom", "run", str(path), "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, env={**_env(), "FEDLOOM_OFFLINE": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "train-images-idx3-ubyte.gz" in proc.stderr and str(tmp_path / "empty") in proc.stderr
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def test_set_overrides_and_run_directory(tmp_path):
+    path = write_config(tmp_path)
+    out = tmp_path / "run"
+    proc = fedloom("run", str(path), "--set", "train.rounds=3", "--set", "algorithm.name=fedprox",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "personalized accuracy" in proc.stdout
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["train"]["rounds"] == 3 and resolved["algorithm"] == {"name": "fedprox", "mu": 0.01}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "fedprox" and summary["rounds"] == 3
+
+
+def test_existing_output_directory_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    proc = fedloom("run", str(write_config(tmp_path)), "--out", str(out))
+    assert proc.returncode == 2
+    assert "not empty" in proc.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+
+
+def test_unwritable_output_directory_exits_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = fedloom("run", str(write_config(tmp_path)), "--out", str(blocker / "run"))
+    assert proc.returncode == 2
+    assert "cannot write" in proc.stderr or "not empty" in proc.stderr
+
+
+def test_resume_with_a_different_config_exits_2(tmp_path):
+    out = tmp_path / "run"
+    assert fedloom("run", str(write_config(tmp_path)), "--out", str(out)).returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    other = write_config(tmp_path, train={"lr": 0.5})
+    proc = fedloom("run", str(other), "--resume", str(out))
+    assert proc.returncode == 2
+    assert "train.lr" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_resume_of_a_non_run_directory_exits_2(tmp_path):
+    proc = fedloom("run", "--resume", str(tmp_path))
+    assert proc.returncode == 2
+    assert "config.yaml" in proc.stderr
+
+
+def test_algorithms_lists_every_baseline_with_hyperparameters():
+    proc = fedloom("algorithms")
+    assert proc.returncode == 0
+    for name in ("fedsgd", "fedavg", "fedprox", "local", "fedavg_ft", "centralized"):
+        assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), name
+    assert "mu=0.01" in proc.stdout and "finetune_steps=10" in proc.stdout
+
+
+def test_report_rebuilds_the_html(tmp_path):
+    out = tmp_path / "run"
+    assert fedloom("run", str(write_config(tmp_path)), "--out", str(out)).returncode == 0
+    (out / "report.html").unlink()
+    proc = fedloom("report", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "report.html").stat().st_size > 100_000
+    assert fedloom("report", str(tmp_path / "nope")).returncode == 2
+
+
+def test_default_run_finishes_on_embedded_data(tmp_path):
+    """`fedloom run` with no argument: bundled digits, no download (about a minute on 2 cores)."""
+    proc = fedloom("run", cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dataset"] == "digits" and summary["rounds"] == 100
+    assert summary["final"]["global"]["accuracy"] > 0.85
+    assert (run_dir / "report.html").is_file()
