@@ -10,7 +10,7 @@ from torch import nn
 
 from fedloom.algorithms import parse_algorithm_config
 from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
-from fedloom.data import FederatedData, load_dataset
+from fedloom.data import FederatedData, load_dataset, resolve_data_config
 from fedloom.engine.loop import Engine, RunResult
 from fedloom.engine.rundir import RunDir, default_run_dir
 from fedloom.errors import ConfigError, RunDirError
@@ -21,11 +21,26 @@ def _save_inputs(run_dir: RunDir, config: RunConfig, data: FederatedData) -> Non
     run_dir.write_config(config.to_yaml())
     hist = data.label_histogram()
     if hist is not None:
-        run_dir.write_json("label_histogram.json", {"client_names": data.client_names, "counts": hist})
+        run_dir.write_json(
+            "label_histogram.json", {"client_names": data.client_names, "counts": hist}
+        )
+
+
+def resolve_defaults(cfg: RunConfig, custom_data: bool = False) -> RunConfig:
+    """The config with every default filled in: algorithm hyperparameters and, for the
+    registered datasets, the partition parameters, dataset options and client count."""
+    raw = cfg.to_dict()
+    raw["algorithm"] = parse_algorithm_config(cfg.algorithm).model_dump()
+    if not custom_data:
+        raw["data"].pop(cfg.data.name, None)
+        raw["data"] |= resolve_data_config(cfg.data)
+    return parse_config(raw)
 
 
 def _check_resume(run_dir: RunDir, config: RunConfig | None) -> RunConfig:
     saved = parse_config(load_yaml(run_dir.config_path))
+    if config is not None:
+        config = resolve_defaults(config)
     if config is not None and config.to_dict() != saved.to_dict():
         a, b = saved.to_dict(), config.to_dict()
         diff = sorted(_diff_keys(a, b))
@@ -67,19 +82,24 @@ def run(
         run_dir = RunDir.open_existing(resume)
         cfg = _check_resume(run_dir, None if config is None else resolve_config(config))
     else:
-        cfg = resolve_config(config)
-    parse_algorithm_config(cfg.algorithm)  # fail fast, before loading data
+        cfg = resolve_defaults(resolve_config(config), custom_data=data is not None)
     if model is None:
         MODELS.get(cfg.model.name)
     if data is None:
         data = load_dataset(cfg.data, cfg.seed)
-    module = model if model is not None else build_model(cfg.model.name, data.input_shape, data.num_outputs)
-    if resume is None and write:
-        run_dir = RunDir.create(out or default_run_dir(cfg.algorithm["name"], data.name))
-        _save_inputs(run_dir, cfg, data)
+    module = (
+        model
+        if model is not None
+        else build_model(cfg.model.name, data.input_shape, data.num_outputs)
+    )
     if progress is None:
         progress = sys.stderr.isatty()
-    engine = Engine(cfg, data, module, run_dir=run_dir, progress=progress)
+    engine = Engine(cfg, data, module, run_dir=run_dir, progress=progress)  # validates first
+    if resume is None and write:
+        run_dir = engine.run_dir = RunDir.create(
+            out or default_run_dir(cfg.algorithm["name"], data.name)
+        )
+        _save_inputs(run_dir, cfg, data)
     result = engine.run(resume=resume is not None)
     if run_dir is not None:
         run_dir.write_json("summary.json", result.summary)

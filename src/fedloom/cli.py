@@ -32,7 +32,9 @@ def _fail(err: BaseException, debug: bool) -> None:
     if isinstance(err, KeyboardInterrupt):
         err_console.print("interrupted; resume with `fedloom run --resume RUN_DIR`")
         raise typer.Exit(130)
-    err_console.print(f"[bold red]fedloom failed:[/] {type(err).__name__}: {err} (rerun with --debug)")
+    err_console.print(
+        f"[bold red]fedloom failed:[/] {type(err).__name__}: {err} (rerun with --debug)"
+    )
     raise typer.Exit(1)
 
 
@@ -60,9 +62,11 @@ def run(
             raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
             cfg = parse_config(apply_overrides(raw, set_ or []))
         if resume is not None and out is not None:
-            raise FedloomInputError("--out and --resume exclude each other: a resumed run stays in RUN_DIR")
+            raise FedloomInputError(
+                "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
+            )
         result = run_api(cfg, out=out, resume=resume)
-    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the CLI boundary
+    except (Exception, KeyboardInterrupt) as err:
         _fail(err, debug)
         return
     s = result.summary
@@ -107,7 +111,7 @@ def report(
 
     try:
         path = write_report(run_dir)
-    except Exception as err:  # noqa: BLE001 - the CLI boundary
+    except Exception as err:
         _fail(err, debug)
         return
     typer.echo(str(path))

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from fedloom.errors import ConfigError, closest
 
@@ -67,7 +74,9 @@ class TrainConfig(StrictModel):
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
         if self.local_epochs is not None and self.local_steps is not None:
-            raise ValueError("set exactly one of train.local_epochs and train.local_steps, not both")
+            raise ValueError(
+                "set exactly one of train.local_epochs and train.local_steps, not both"
+            )
         if self.local_epochs is None and self.local_steps is None:
             object.__setattr__(self, "local_epochs", 1)
         return self
@@ -123,7 +132,13 @@ DEFAULT_EXPERIMENT: dict[str, Any] = {
     "data": {"name": "digits", "num_clients": 30, "partition": {"kind": "dirichlet", "alpha": 0.3}},
     "model": {"name": "cnn"},
     "algorithm": {"name": "fedavg_ft", "finetune_steps": 10},
-    "train": {"rounds": 100, "clients_per_round": 10, "local_epochs": 2, "batch_size": 16, "lr": 0.05},
+    "train": {
+        "rounds": 100,
+        "clients_per_round": 10,
+        "local_epochs": 2,
+        "batch_size": 16,
+        "lr": 0.05,
+    },
     "eval": {"every": 5},
     "checkpoint": {"every": 20},
 }
@@ -138,13 +153,13 @@ def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         if not fields or part not in fields:
             return []
         current = fields[part].annotation
-        current = next((a for a in getattr(current, "__args__", ()) if hasattr(a, "model_fields")), current)
+        current = next(
+            (a for a in getattr(current, "__args__", ()) if hasattr(a, "model_fields")), current
+        )
     return list(getattr(current, "model_fields", {}))
 
 
-def format_validation_error(
-    err: ValidationError, model: type[BaseModel], prefix: str = ""
-) -> str:
+def format_validation_error(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     """One line per problem, each naming the full key path, the value and what is allowed."""
     lines = []
     for e in err.errors():
@@ -152,7 +167,9 @@ def format_validation_error(
         key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "config"
         if e["type"] == "extra_forbidden":
             hint = closest(str(loc[-1]), _field_names(model, loc))
-            extra = f" Did you mean '{prefix}{'.'.join(map(str, loc[:-1] + (hint,)))}'?" if hint else ""
+            extra = (
+                f" Did you mean '{prefix}{'.'.join(map(str, (*loc[:-1], hint)))}'?" if hint else ""
+            )
             allowed = ", ".join(_field_names(model, loc))
             lines.append(f"{key}: unknown key.{extra} Allowed here: {allowed}.")
         else:

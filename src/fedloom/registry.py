@@ -1,4 +1,5 @@
-"""Name -> object registries with 'did you mean' errors (algorithms, models, datasets, partitions)."""
+"""Name -> object registries with 'did you mean' errors (algorithms, models, datasets,
+partitions)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,8 @@ def generator(seed: int, purpose: str, round: int = NO_ID, client: int = NO_ID) 
     return gen
 
 
-def numpy_rng(seed: int, purpose: str, round: int = NO_ID, client: int = NO_ID) -> np.random.Generator:
+def numpy_rng(
+    seed: int, purpose: str, round: int = NO_ID, client: int = NO_ID
+) -> np.random.Generator:
     """A NumPy ``Generator`` for the stream (seed, round, client, purpose)."""
     return np.random.default_rng(seed_for(seed, purpose, round, client))

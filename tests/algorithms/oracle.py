@@ -17,7 +17,9 @@ def quadratic_data(num_clients: int = 5, seed: int = 0, **options) -> FederatedD
 
 def as_vector(params: dict[str, torch.Tensor]) -> torch.Tensor:
     """logreg params (linear.weight (1, d), linear.bias (1,)) -> augmented (d+1,) float64."""
-    return torch.cat([params["linear.weight"].reshape(-1), params["linear.bias"].reshape(-1)]).double()
+    return torch.cat(
+        [params["linear.weight"].reshape(-1), params["linear.bias"].reshape(-1)]
+    ).double()
 
 
 def optimum_vector(opt: dict[str, torch.Tensor]) -> torch.Tensor:

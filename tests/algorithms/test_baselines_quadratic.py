@@ -35,7 +35,9 @@ def test_fedsgd_equals_full_batch_centralized_gradient_descent(data, lr):
     a, b = as_vector(fedsgd.global_params), as_vector(central.global_params)
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     # and the full trajectory, through the evaluated losses
-    assert fedsgd.history[-1]["global"]["loss"] == pytest.approx(central.history[-1]["global"]["loss"], rel=1e-5)
+    assert fedsgd.history[-1]["global"]["loss"] == pytest.approx(
+        central.history[-1]["global"]["loss"], rel=1e-5
+    )
 
 
 def test_fedsgd_converges_to_the_global_optimum(data, lr):
@@ -47,7 +49,9 @@ def test_fedsgd_converges_to_the_global_optimum(data, lr):
 def test_fedavg_with_one_local_step_equals_fedsgd(data, lr):
     fedavg = run(data, {"name": "fedavg"}, rounds=25, lr=lr, local_steps=1)
     fedsgd = run(data, {"name": "fedsgd"}, rounds=25, lr=lr)
-    assert torch.allclose(as_vector(fedavg.global_params), as_vector(fedsgd.global_params), atol=1e-6)
+    assert torch.allclose(
+        as_vector(fedavg.global_params), as_vector(fedsgd.global_params), atol=1e-6
+    )
 
 
 def test_fedavg_with_many_local_steps_drifts_to_its_own_fixed_point(data, lr):
@@ -128,4 +132,7 @@ def test_fedavg_ft_personalizes_towards_local_optima(data, lr):
         assert (as_vector(tuned.client_params[k]) - target).norm() < (
             as_vector(plain.client_params[k]) - target
         ).norm()
-    assert tuned.summary["final"]["personalized"]["loss_mean"] < plain.summary["final"]["personalized"]["loss_mean"]
+    assert (
+        tuned.summary["final"]["personalized"]["loss_mean"]
+        < plain.summary["final"]["personalized"]["loss_mean"]
+    )

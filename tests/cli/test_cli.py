@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def fedloom(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "fedloom", *args],
-        capture_output=True, text=True, cwd=cwd, timeout=timeout,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
     )
 
 
@@ -47,7 +50,10 @@ def write_config(tmp_path: Path, **sections) -> Path:
         ({"train": {"clients_per_round": 50}}, ["train.clients_per_round", "50"]),
         ({"data": {"name": "mnits"}}, ["data.name", "mnist"]),
         ({"data": {"partition": {"kind": "dirichlet", "alpha": 0}}}, ["data.partition.alpha"]),
-        ({"data": {"partition": {"kind": "shards", "shards_per_client": 50}}}, ["shards_per_client"]),
+        (
+            {"data": {"partition": {"kind": "shards", "shards_per_client": 50}}},
+            ["shards_per_client"],
+        ),
         ({"data": {"partition": {"kind": "dirichelt"}}}, ["data.partition.kind", "dirichlet"]),
         ({"model": {"name": "cnnn"}}, ["model.name", "cnn"]),
         ({"executor": {"kind": "gpu"}}, ["executor.kind"]),
@@ -69,7 +75,9 @@ def test_missing_data_file_exits_2_and_names_the_file(tmp_path):
     path = write_config(tmp_path, data={"name": "mnist", "root": str(tmp_path / "empty")})
     proc = subprocess.run(
         [sys.executable, "-m", "fedloom", "run", str(path), "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, env={**_env(), "FEDLOOM_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        env={**_env(), "FEDLOOM_OFFLINE": "1"},
     )
     assert proc.returncode == 2, proc.stderr
     assert "train-images-idx3-ubyte.gz" in proc.stderr and str(tmp_path / "empty") in proc.stderr
@@ -84,12 +92,23 @@ def _env() -> dict[str, str]:
 def test_set_overrides_and_run_directory(tmp_path):
     path = write_config(tmp_path)
     out = tmp_path / "run"
-    proc = fedloom("run", str(path), "--set", "train.rounds=3", "--set", "algorithm.name=fedprox",
-                   "--out", str(out))
+    proc = fedloom(
+        "run",
+        str(path),
+        "--set",
+        "train.rounds=3",
+        "--set",
+        "algorithm.name=fedprox",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "personalized accuracy" in proc.stdout
     resolved = yaml.safe_load((out / "config.yaml").read_text())
-    assert resolved["train"]["rounds"] == 3 and resolved["algorithm"] == {"name": "fedprox", "mu": 0.01}
+    assert resolved["train"]["rounds"] == 3 and resolved["algorithm"] == {
+        "name": "fedprox",
+        "mu": 0.01,
+    }
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algorithm"] == "fedprox" and summary["rounds"] == 3
 

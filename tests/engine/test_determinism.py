@@ -21,8 +21,14 @@ CONFIG = {
     "data": {"name": "digits", "num_clients": 8, "partition": {"kind": "dirichlet", "alpha": 0.5}},
     "model": {"name": "mlp"},
     "algorithm": {"name": "fedavg_ft", "finetune_steps": 3},
-    "train": {"rounds": 6, "clients_per_round": 4, "local_steps": 5, "batch_size": 16,
-              "lr": 0.05, "stragglers": 0.5},
+    "train": {
+        "rounds": 6,
+        "clients_per_round": 4,
+        "local_steps": 5,
+        "batch_size": 16,
+        "lr": 0.05,
+        "stragglers": 0.5,
+    },
     "eval": {"every": 2},
     "checkpoint": {"every": 2},
 }
@@ -70,7 +76,10 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path):
 
     resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
     assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
-    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert metrics_without_time(rows) == metrics_without_time(full.history)
     for key in full.global_params:
         assert torch.equal(full.global_params[key], resumed.global_params[key])

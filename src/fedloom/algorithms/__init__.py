@@ -45,9 +45,7 @@ def build_algorithm(raw: dict[str, Any], ctx: AlgorithmContext) -> Algorithm:
 
 def describe(cls: type[Algorithm]) -> str:
     """One line: name, summary and hyperparameters with defaults."""
-    fields = [
-        f"{k}={f.default!r}" for k, f in cls.Config.model_fields.items() if k != "name"
-    ]
+    fields = [f"{k}={f.default!r}" for k, f in cls.Config.model_fields.items() if k != "name"]
     params = f" [{', '.join(fields)}]" if fields else ""
     return f"{cls.name:<12} {cls.summary}{params}"
 

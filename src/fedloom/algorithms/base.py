@@ -105,17 +105,23 @@ class Algorithm:
         """Initial persistent state of a client (None: the algorithm keeps none)."""
         return None
 
-    def client_update(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+    def client_update(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult:
         raise NotImplementedError
 
-    def deployed_model(self, server: State, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+    def deployed_model(
+        self, server: State, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
         """The model client ``task.client_id`` uses for inference (its personalized model)."""
         model = self.global_model(server)
         assert model is not None, f"{self.name} must override deployed_model"
         return model
 
     # -- shared pieces --------------------------------------------------------------------
-    def aggregate_models(self, results: list[ClientResult], weights: list[float] | None = None) -> State:
+    def aggregate_models(
+        self, results: list[ClientResult], weights: list[float] | None = None
+    ) -> State:
         """Weighted mean of uploaded ``params`` and ``buffers`` (FedAvg's server step)."""
         w = weights if weights is not None else [r.weight for r in results]
         return {

@@ -24,7 +24,9 @@ class FedAvg(Algorithm):
         """Extra gradient term of the local objective; FedAvg has none."""
         return None
 
-    def client_update(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+    def client_update(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult:
         params, buffers, loss = local_sgd(
             self.ctx.model,
             message["params"],

@@ -22,11 +22,21 @@ class FedAvgFT(FedAvg):
     summary = "FedAvg, then k local fine-tuning steps per client before evaluation"
     Config = FedAvgFTConfig
 
-    def deployed_model(self, server: State, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+    def deployed_model(
+        self, server: State, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
         data = task.data
-        plan = self.ctx.make_plan(data, self.config.finetune_steps, "finetune", task.round, task.client_id)
+        plan = self.ctx.make_plan(
+            data, self.config.finetune_steps, "finetune", task.round, task.client_id
+        )
         lr = self.config.finetune_lr or self.ctx.lr
         params, buffers, _ = local_sgd(
-            self.ctx.model, server["params"], server["buffers"], data.x_train, data.y_train, plan, lr
+            self.ctx.model,
+            server["params"],
+            server["buffers"],
+            data.x_train,
+            data.y_train,
+            plan,
+            lr,
         )
         return params, buffers

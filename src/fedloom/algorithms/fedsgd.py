@@ -16,7 +16,9 @@ class FedSGD(Algorithm):
     name = "fedsgd"
     summary = "FedSGD: one full-batch client gradient per round, server gradient step"
 
-    def client_update(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+    def client_update(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult:
         data = task.data
         buffers = {k: v.clone() for k, v in message["buffers"].items()}
         grads, loss = self.ctx.model.grad_and_loss(

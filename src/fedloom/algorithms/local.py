@@ -20,17 +20,28 @@ class LocalOnly(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"params": clone(server["params"]), "buffers": clone(server["buffers"])}
 
-    def client_update(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+    def client_update(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult:
         assert state is not None
         params, buffers, loss = local_sgd(
-            self.ctx.model, state["params"], state["buffers"],
-            task.data.x_train, task.data.y_train, task.plan, task.lr,
+            self.ctx.model,
+            state["params"],
+            state["buffers"],
+            task.data.x_train,
+            task.data.y_train,
+            task.plan,
+            task.lr,
         )
-        return ClientResult({}, task.data.num_train, loss, state={"params": params, "buffers": buffers})
+        return ClientResult(
+            {}, task.data.num_train, loss, state={"params": params, "buffers": buffers}
+        )
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return server
 
-    def deployed_model(self, server: State, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+    def deployed_model(
+        self, server: State, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
         state = state or self.init_client_state(server, task.client_id)
         return state["params"], state["buffers"]

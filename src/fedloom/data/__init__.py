@@ -17,7 +17,7 @@ from fedloom.data import (  # noqa: F401  (registration side effects)
     synthetic,
 )
 from fedloom.data.federated import ClientData, FederatedData, from_arrays
-from fedloom.data.load import default_root, load_dataset
+from fedloom.data.load import default_root, load_dataset, resolve_data_config
 from fedloom.data.mnist import load_mnist_arrays
 from fedloom.data.partition import PARTITIONS, Partition
 from fedloom.data.spec import DATASETS, DatasetSpec
@@ -33,4 +33,5 @@ __all__ = [
     "from_arrays",
     "load_dataset",
     "load_mnist_arrays",
+    "resolve_data_config",
 ]

@@ -90,3 +90,16 @@ def load_dataset(cfg: Any, seed: int) -> FederatedData:
         seed=int(seed),
     )
     return spec.build(req)
+
+
+def resolve_data_config(cfg: Any) -> dict[str, Any]:
+    """The data section with every default filled in (partition parameters, dataset options,
+    the default client count), as written to the run directory's config.yaml."""
+    spec = DATASETS.get(str(cfg.name))
+    partition = _partition(spec, getattr(cfg, "partition", None))
+    options = validate(spec.options, getattr(cfg, "options", None) or {}, f"data.{spec.name}")
+    return {
+        "partition": partition.params(),
+        "options": options.model_dump(),
+        "num_clients": _num_clients(spec, getattr(cfg, "num_clients", None)),
+    }

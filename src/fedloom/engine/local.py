@@ -23,7 +23,9 @@ def num_local_steps(n: int, batch_size: int | None, epochs: int | None, steps: i
     return int(epochs or 1) * per_epoch
 
 
-def batch_plan(n: int, batch_size: int | None, num_steps: int, gen: torch.Generator) -> list[torch.Tensor]:
+def batch_plan(
+    n: int, batch_size: int | None, num_steps: int, gen: torch.Generator
+) -> list[torch.Tensor]:
     """Index tensors for ``num_steps`` minibatches: epochs of permutations cut into batches.
 
     ``batch_size`` None (or >= n) means full batch: every step uses all ``n`` samples in order.

@@ -4,13 +4,20 @@ metrics, checkpoints. Algorithms never re-implement any of it (DESIGN.md 2.2).""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fedloom.algorithms import Algorithm, AlgorithmContext, ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms import (
+    Algorithm,
+    AlgorithmContext,
+    ClientResult,
+    ClientTask,
+    build_algorithm,
+)
 from fedloom.algorithms.base import Message, State
 from fedloom.config import RunConfig
 from fedloom.data.federated import ClientData, FederatedData
@@ -129,7 +136,9 @@ class Engine:
     # -- evaluation -----------------------------------------------------------------------
     def _counts(self, params: pytree.Tree, buffers: pytree.Tree, data: ClientData) -> EvalCounts:
         return EvalCounts(
-            *self.model.evaluate(params, buffers, data.x_test, data.y_test, self.config.eval.batch_size)
+            *self.model.evaluate(
+                params, buffers, data.x_test, data.y_test, self.config.eval.batch_size
+            )
         )
 
     def evaluate(
@@ -138,9 +147,10 @@ class Engine:
         classification = self.data.task == "classification"
         row: dict[str, Any] = {}
         global_model = self.algorithm.global_model(server)
+        global_counts: list[EvalCounts] = []
         if global_model is not None:
-            counts = [self._counts(*global_model, c) for c in self.data.clients]
-            row["global"] = pooled(counts, classification)
+            global_counts = [self._counts(*global_model, c) for c in self.data.clients]
+            row["global"] = pooled(global_counts, classification)
         else:
             row["global"] = None
         deployed: dict[int, pytree.Tree] = {}
@@ -158,7 +168,10 @@ class Engine:
                     server, state, ClientTask(cid, data, [], self.config.train.lr, round)
                 )
                 deployed[cid] = {**params, **buffers}
-                counts.append(self._counts(params, buffers, data))
+                if global_model is not None and params is global_model[0]:
+                    counts.append(global_counts[cid])  # deploys the global model: evaluated
+                else:
+                    counts.append(self._counts(params, buffers, data))
             row[key] = client_quantiles(counts, classification)
             if key == "personalized" and classification:
                 row["client_accuracy"] = [c.accuracy if c.n else None for c in counts]
@@ -179,7 +192,11 @@ class Engine:
 
     def run(self, resume: bool = False) -> RunResult:
         cfg = self.config
-        torch.set_num_threads(cfg.executor.threads or 1)
+        with intra_op_threads(cfg.executor.threads):
+            return self._run(resume)
+
+    def _run(self, resume: bool) -> RunResult:
+        cfg = self.config
         st = self._initial()
         if resume:
             assert self.run_dir is not None
@@ -206,7 +223,10 @@ class Engine:
                         "train_loss": st["train_loss"],
                         "participants": st["participants"],
                         **row,
-                        "communication": {"bytes_up": st["bytes_up"], "bytes_down": st["bytes_down"]},
+                        "communication": {
+                            "bytes_up": st["bytes_up"],
+                            "bytes_down": st["bytes_down"],
+                        },
                     }
                     history.append(row)
                     if self.run_dir:
@@ -215,7 +235,13 @@ class Engine:
                 every = cfg.checkpoint.every
                 if self.run_dir and every and (round % every == 0 or last):
                     st["elapsed"] = time.perf_counter() - start
-                    payload = {**st, "round": round, "server": server, "clients": states, "history": history}
+                    payload = {
+                        **st,
+                        "round": round,
+                        "server": server,
+                        "clients": states,
+                        "history": history,
+                    }
                     self.run_dir.save_checkpoint(round, payload, cfg.checkpoint.keep)
                 bar.advance()
         wall = time.perf_counter() - start
@@ -261,7 +287,9 @@ class Engine:
         st["participants"] = len(clients)
         return server, states, st
 
-    def _summary(self, history: list[dict[str, Any]], st: dict[str, Any], wall: float) -> dict[str, Any]:
+    def _summary(
+        self, history: list[dict[str, Any]], st: dict[str, Any], wall: float
+    ) -> dict[str, Any]:
         cfg = self.config
         last = history[-1] if history else {}
         personalized = {k: v for k, v in (last.get("personalized") or {}).items()}
@@ -281,6 +309,19 @@ class Engine:
         if last.get("new_clients"):
             summary["final"]["new_clients"] = last["new_clients"]
         return summary
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Use ``threads`` intra-op threads inside the block (None: torch's default, all cores);
+    restore the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def message_bytes(message: Message) -> int:

@@ -50,7 +50,9 @@ def weighted_average(trees: Sequence[Mapping[str, torch.Tensor]], weights: Seque
         acc = torch.zeros(first.shape, dtype=torch.float64)
         for tree, w in zip(trees, weights, strict=True):
             acc.add_(tree[key].to(torch.float64), alpha=float(w) / total)
-        out[key] = acc.round().to(first.dtype) if not first.is_floating_point() else acc.to(first.dtype)
+        out[key] = (
+            acc.round().to(first.dtype) if not first.is_floating_point() else acc.to(first.dtype)
+        )
     return out
 
 

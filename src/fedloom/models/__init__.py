@@ -1,4 +1,5 @@
-"""Models by name: ``logreg``, ``mlp`` (the FedAvg paper's 2NN), ``cnn``, ``cnn_bn``, ``char_lstm``."""
+"""Models by name: ``logreg``, ``mlp`` (the FedAvg paper's 2NN), ``cnn``, ``cnn_bn``,
+``char_lstm``."""
 
 from __future__ import annotations
 
@@ -31,4 +32,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> Fe
         raise ConfigError(f"model.name: {name} does not fit this data: {err}") from None
 
 
-__all__ = ["MODELS", "CNN", "CNNBatchNorm", "CharLSTM", "FedModel", "LogisticRegression", "MLP", "build_model"]
+__all__ = [
+    "CNN",
+    "MLP",
+    "MODELS",
+    "CNNBatchNorm",
+    "CharLSTM",
+    "FedModel",
+    "LogisticRegression",
+    "build_model",
+]
