@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.local import LocalSolution, local_sgd
 from fedloom.engine.pytree import Tree
 
 State = dict[str, Any]
@@ -105,10 +106,60 @@ class Algorithm:
         """Initial persistent state of a client (None: the algorithm keeps none)."""
         return None
 
+    def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
+        """The minibatches of the local solver (default: the engine's plan for the round)."""
+        return task.plan
+
+    def local_start(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """Where local SGD starts: the server's model unless the algorithm says otherwise."""
+        return message["params"], message["buffers"]
+
+    def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
+        """Extra gradient term of the local objective at ``params`` (None: plain ERM).
+
+        Must be a pure function of its arguments (no captured per-client tensors), so the
+        vectorized executor can vmap it with ``state`` stacked over clients.
+        """
+        return None
+
+    def has_correction(self) -> bool:
+        return type(self).local_correction is not Algorithm.local_correction
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
+    ) -> ClientResult:
+        """The upload and new state once local SGD has run (default: upload the model)."""
+        upload = {"params": solved.params, "buffers": solved.buffers}
+        return ClientResult(upload, task.data.num_train, solved.loss)
+
     def client_update(
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult:
-        raise NotImplementedError
+        """One client's round, sequentially: local_start -> local SGD -> local_finish.
+
+        The vectorized and Ray executors run the same three pieces for many clients at once.
+        """
+        params, buffers = self.local_start(message, state, task)
+        correction = None
+        if self.has_correction():
+
+            def correction(p: Tree) -> Tree:
+                return self.local_correction(p, message, state)  # type: ignore[return-value]
+
+        data = task.data
+        solved = local_sgd(
+            self.ctx.model,
+            params,
+            buffers,
+            data.x_train,
+            data.y_train,
+            self.client_plan(task),
+            task.lr,
+            correction,
+        )
+        return self.local_finish(message, state, task, solved)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

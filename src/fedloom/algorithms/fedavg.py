@@ -3,41 +3,20 @@
 Pseudocode of the card, line by line::
 
     Ct <- sample max(rho*K, 1) clients            # engine (train.clients_per_round)
-    wk <- local_train(w, Dk, S, M, eta)            # client_update: local SGD from w
-    upload wk                                      # the upload is the local model
+    wk <- local_train(w, Dk, S, M, eta)            # Algorithm.client_update: local SGD from w
+    upload wk                                      # local_finish: the upload is the local model
     alpha_k <- nk / sum_{j in Ct} nj               # ClientResult.weight = n_k
     w <- weighted_average({wk}, {alpha_k})         # aggregate
 """
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.engine.functional import GradCorrection
-from fedloom.engine.local import local_sgd
+from fedloom.algorithms.base import Algorithm, ClientResult, State
 
 
 class FedAvg(Algorithm):
     name = "fedavg"
     summary = "FedAvg: local SGD, sample-size weighted model averaging (McMahan et al., 2017)"
-
-    def correction(self, message: Message) -> GradCorrection | None:
-        """Extra gradient term of the local objective; FedAvg has none."""
-        return None
-
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult:
-        params, buffers, loss = local_sgd(
-            self.ctx.model,
-            message["params"],
-            message["buffers"],
-            task.data.x_train,
-            task.data.y_train,
-            task.plan,
-            task.lr,
-            self.correction(message),
-        )
-        return ClientResult({"params": params, "buffers": buffers}, task.data.num_train, loss)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return self.aggregate_models(results)

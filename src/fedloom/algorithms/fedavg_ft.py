@@ -30,7 +30,7 @@ class FedAvgFT(FedAvg):
             data, self.config.finetune_steps, "finetune", task.round, task.client_id
         )
         lr = self.config.finetune_lr or self.ctx.lr
-        params, buffers, _ = local_sgd(
+        solved = local_sgd(
             self.ctx.model,
             server["params"],
             server["buffers"],
@@ -39,4 +39,4 @@ class FedAvgFT(FedAvg):
             plan,
             lr,
         )
-        return params, buffers
+        return solved.params, solved.buffers

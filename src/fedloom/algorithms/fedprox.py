@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, Message
+from fedloom.algorithms.base import AlgorithmConfig, Message, State
 from fedloom.algorithms.fedavg import FedAvg
-from fedloom.engine.functional import GradCorrection
 from fedloom.engine.proximal import proximal_gradient
+from fedloom.engine.pytree import Tree
 
 
 class FedProxConfig(AlgorithmConfig):
@@ -24,5 +24,5 @@ class FedProx(FedAvg):
     summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w_t||^2 (Li et al., 2020)"
     Config = FedProxConfig
 
-    def correction(self, message: Message) -> GradCorrection | None:
-        return proximal_gradient(message["params"], self.config.mu)
+    def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
+        return proximal_gradient(params, message["params"], self.config.mu)

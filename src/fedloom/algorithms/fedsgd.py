@@ -1,14 +1,18 @@
 """FedSGD (McMahan et al., AISTATS 2017); seed 002, section 一, FedSGD card.
 
-The server sends w_t; each selected client computes the gradient of its loss on ALL its local
-data at w_t and uploads it; the server takes one step w_{t+1} = w_t - eta sum_k (n_k/n) g_k.
-With every client selected this is full-batch gradient descent on the pooled objective.
-Local epochs, steps and batch size do not apply (one full-batch gradient per round).
+The server sends w_t; each selected client computes the gradient g_k of its loss on ALL its
+local data at w_t and uploads it; the server takes one step w_{t+1} = w_t - eta sum_k (n_k/n)
+g_k. With every client selected this is full-batch gradient descent on the pooled objective.
+Local epochs, steps and batch size do not apply: the client's local solver runs exactly one
+full-batch step, and the uploaded gradient is read off it as (w_t - w_1) / eta.
 """
 
 from __future__ import annotations
 
+import torch
+
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.engine.local import LocalSolution
 from fedloom.engine.pytree import add
 
 
@@ -16,15 +20,15 @@ class FedSGD(Algorithm):
     name = "fedsgd"
     summary = "FedSGD: one full-batch client gradient per round, server gradient step"
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
+    def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
+        return [torch.arange(task.data.num_train)]
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
-        data = task.data
-        buffers = {k: v.clone() for k, v in message["buffers"].items()}
-        grads, loss = self.ctx.model.grad_and_loss(
-            message["params"], buffers, data.x_train, data.y_train
-        )
-        return ClientResult({"grad": grads, "buffers": buffers}, data.num_train, float(loss))
+        grad = {k: (solved.start[k] - solved.params[k]) / solved.lr for k in solved.params}
+        upload = {"grad": grad, "buffers": solved.buffers}
+        return ClientResult(upload, task.data.num_train, solved.loss)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         weights = [r.weight for r in results]

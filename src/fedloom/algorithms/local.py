@@ -4,7 +4,7 @@ never communicates. The lower reference of every algorithm card's baselines."""
 from __future__ import annotations
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.engine.local import local_sgd
+from fedloom.engine.local import LocalSolution
 from fedloom.engine.pytree import Tree, clone
 
 
@@ -20,22 +20,17 @@ class LocalOnly(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"params": clone(server["params"]), "buffers": clone(server["buffers"])}
 
-    def client_update(
+    def local_start(
         self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult:
+    ) -> tuple[Tree, Tree]:
         assert state is not None
-        params, buffers, loss = local_sgd(
-            self.ctx.model,
-            state["params"],
-            state["buffers"],
-            task.data.x_train,
-            task.data.y_train,
-            task.plan,
-            task.lr,
-        )
-        return ClientResult(
-            {}, task.data.num_train, loss, state={"params": params, "buffers": buffers}
-        )
+        return state["params"], state["buffers"]
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
+    ) -> ClientResult:
+        new_state = {"params": solved.params, "buffers": solved.buffers}
+        return ClientResult({}, task.data.num_train, solved.loss, state=new_state)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return server

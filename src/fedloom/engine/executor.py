@@ -5,12 +5,28 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.config import ExecutorConfig
+from fedloom.data.federated import ClientData
+from fedloom.engine.functional import FunctionalModel
 from fedloom.errors import ConfigError
 
 
 class Executor(Protocol):
+    """Runs the sampled clients' local updates of one round.
+
+    ``prepare`` is called once with every ClientData the run will use (so an executor can
+    place data once: an arena for the vectorized executor, the object store for Ray);
+    ``close`` once at the end of the run, also after an error.
+    """
+
     name: str
+
+    def prepare(self, clients: list[ClientData]) -> None: ...
+
+    def close(self) -> None: ...
 
     def run_round(
         self,
@@ -26,6 +42,12 @@ class SequentialExecutor:
 
     name = "sequential"
 
+    def prepare(self, clients: list[ClientData]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def run_round(
         self,
         algorithm: Algorithm,
@@ -36,10 +58,26 @@ class SequentialExecutor:
         return [algorithm.client_update(message, s, t) for t, s in zip(tasks, states, strict=True)]
 
 
-def make_executor(kind: str) -> Executor:
-    if kind in ("sequential", "auto"):
+def make_executor(config: ExecutorConfig, model: FunctionalModel) -> Executor:
+    """The executor that ``executor.kind`` names."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("executor.device: 'cuda' was asked for but torch sees no CUDA device")
+    if config.kind == "sequential":
+        if config.device != "cpu":
+            raise ConfigError(
+                "executor.device: the sequential executor runs on the CPU; use vectorized"
+            )
         return SequentialExecutor()
-    raise ConfigError(
-        f"executor.kind: '{kind}' is not available in this version of fedloom; "
-        "use 'sequential' (or 'auto', which currently selects it)"
-    )
+    if config.kind == "vectorized":
+        from fedloom.engine.vectorized import VectorizedExecutor
+
+        return VectorizedExecutor(model, config.chunk_size, config.memory_budget, config.device)
+    if config.kind == "auto":
+        from fedloom.engine.auto import AutoExecutor
+
+        return AutoExecutor(model, config)
+    if config.kind == "ray":
+        from fedloom.engine.ray_executor import RayExecutor
+
+        return RayExecutor(model, config)
+    raise ConfigError(f"executor.kind: unknown executor '{config.kind}'")

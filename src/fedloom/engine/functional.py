@@ -47,6 +47,21 @@ class FunctionalModel:
             return F.cross_entropy(out, y)
         return F.mse_loss(out.squeeze(-1) if y.ndim == 1 else out, y)
 
+    def per_sample_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each sample's loss, shape (batch,): its mean is ``loss_from_output``."""
+        if self.task == "classification":
+            return F.cross_entropy(out, y, reduction="none")
+        err = (out.squeeze(-1) if y.ndim == 1 else out) - y
+        return (err**2).reshape(err.shape[0], -1).mean(dim=1)
+
+    def weighted_loss(
+        self, params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_i w_i l_i / sum_i w_i: the mean loss over the real (w = 1) samples of a padded
+        batch; 0 for an all-padding batch. Pure, for ``vmap``."""
+        per = self.per_sample_loss(self.forward(params, buffers, x), y)
+        return (per * w).sum() / w.sum().clamp_min(1.0)
+
     def loss(self, params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss_from_output(self.forward(params, buffers, x), y)
 
@@ -85,6 +100,6 @@ class FunctionalModel:
         return loss_sum, correct, n
 
 
-GradCorrection = Callable[[Tree], Tree]
+GradCorrection = Callable[[Tree], Tree | None]
 """A term added to the data gradient at every local step (FedProx's mu(w - w_t), SCAFFOLD's
 c - c_k, FedDyn's linear and proximal terms)."""

@@ -8,11 +8,14 @@ same plan is reproduced on every executor.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel, GradCorrection
 from fedloom.engine.pytree import Tree
+from fedloom.rng import generator
 
 
 def num_local_steps(n: int, batch_size: int | None, epochs: int | None, steps: int | None) -> int:
@@ -42,6 +45,37 @@ def batch_plan(
     return plan[:num_steps]
 
 
+@dataclass(frozen=True)
+class PlanMaker:
+    """Makes a client's minibatch plan from the stream (seed, round, client, purpose).
+
+    A small picklable object (not a closure over the engine) so that algorithms can be sent to
+    Ray workers and still make the same plans there."""
+
+    seed: int
+    batch_size: int | None
+
+    def __call__(
+        self, data: ClientData, num_steps: int, purpose: str, round: int, client_id: int
+    ) -> list[torch.Tensor]:
+        gen = generator(self.seed, purpose, round, client_id)
+        return batch_plan(data.num_train, self.batch_size, num_steps, gen)
+
+
+@dataclass
+class LocalSolution:
+    """What the local solver returns for one client."""
+
+    params: Tree
+    buffers: Tree
+    loss: float
+    """Mean minibatch loss over the steps taken."""
+    start: Tree
+    """The parameters local SGD started from."""
+    lr: float
+    steps: int
+
+
 def local_sgd(
     model: FunctionalModel,
     params: Tree,
@@ -51,12 +85,12 @@ def local_sgd(
     plan: list[torch.Tensor],
     lr: float,
     correction: GradCorrection | None = None,
-) -> tuple[Tree, Tree, float]:
+) -> LocalSolution:
     """Run SGD steps w <- w - lr (grad F_k(w; batch) + correction(w)) along ``plan``.
 
-    Returns the new params, the (updated) buffers and the mean minibatch loss. The inputs are
-    not modified; buffers are copied before BatchNorm updates them.
+    The inputs are not modified; buffers are copied before BatchNorm updates them.
     """
+    start = params
     params = {k: v.detach() for k, v in params.items()}
     buffers = {k: v.clone() for k, v in buffers.items()}
     total = torch.zeros(())
@@ -65,7 +99,8 @@ def local_sgd(
             grads, loss = model.grad_and_loss(params, buffers, x[idx], y[idx])
             if correction is not None:
                 extra = correction(params)
-                grads = {k: g + extra[k] for k, g in grads.items()}
+                if extra is not None:
+                    grads = {k: g + extra[k] for k, g in grads.items()}
             params = {k: p - lr * grads[k] for k, p in params.items()}
             total += loss
-    return params, buffers, float(total) / max(1, len(plan))
+    return LocalSolution(params, buffers, float(total) / max(1, len(plan)), start, lr, len(plan))

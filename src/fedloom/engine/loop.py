@@ -24,14 +24,13 @@ from fedloom.data.federated import ClientData, FederatedData
 from fedloom.engine import pytree
 from fedloom.engine.executor import make_executor
 from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import batch_plan, num_local_steps
+from fedloom.engine.local import PlanMaker, num_local_steps
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.engine.progress import RoundProgress
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import sample_clients, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
-from fedloom.rng import generator
 
 POOLED_CLIENT = -1
 """Client id of the virtual client that holds all data (centralized training)."""
@@ -80,7 +79,7 @@ class Engine:
         self.progress = progress
         self.upload_transforms = list(upload_transforms or [])
         self.model = FunctionalModel(module, data.task)
-        self.executor = make_executor(config.executor.kind)
+        self.executor = make_executor(config.executor, self.model)
         train = config.train
         new = config.eval.new_clients
         if new >= data.num_clients:
@@ -102,7 +101,7 @@ class Engine:
             lr=train.lr,
             batch_size=train.batch_size,
             aggregate=aggregator,
-            make_plan=self.make_plan,
+            make_plan=PlanMaker(config.seed, train.batch_size),
         )
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
         self._pooled = pooled_client(data, self.train_ids) if self.algorithm.pooled else None
@@ -114,12 +113,6 @@ class Engine:
             return self._pooled
         return self.data.clients[client_id]
 
-    def make_plan(
-        self, data: ClientData, num_steps: int, purpose: str, round: int, client_id: int
-    ) -> list[torch.Tensor]:
-        gen = generator(self.config.seed, purpose, round, client_id)
-        return batch_plan(data.num_train, self.config.train.batch_size, num_steps, gen)
-
     def tasks_for_round(self, round: int, clients: list[int]) -> list[ClientTask]:
         train = self.config.train
         datas = [self.client_data(c) for c in clients]
@@ -128,8 +121,9 @@ class Engine:
             for d in datas
         ]
         steps = straggler_steps(self.config.seed, round, clients, full, train.stragglers)
+        make_plan = self.algorithm.ctx.make_plan
         return [
-            ClientTask(c, d, self.make_plan(d, s, "batches", round, c), train.lr, round)
+            ClientTask(c, d, make_plan(d, s, "batches", round, c), train.lr, round)
             for c, d, s in zip(clients, datas, steps, strict=True)
         ]
 
@@ -193,7 +187,12 @@ class Engine:
     def run(self, resume: bool = False) -> RunResult:
         cfg = self.config
         with intra_op_threads(cfg.executor.threads):
-            return self._run(resume)
+            clients = list(self.data.clients) + ([self._pooled] if self._pooled is not None else [])
+            self.executor.prepare(clients)
+            try:
+                return self._run(resume)
+            finally:
+                self.executor.close()
 
     def _run(self, resume: bool) -> RunResult:
         cfg = self.config

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from fedloom.engine.functional import GradCorrection
 from fedloom.engine.pytree import Tree
 
 
-def proximal_gradient(anchor: Tree, mu: float) -> GradCorrection | None:
-    """The gradient mu (w - anchor) of mu/2 ||w - anchor||^2; None when mu is 0."""
+def proximal_gradient(params: Tree, anchor: Tree, mu: float) -> Tree | None:
+    """The gradient mu (w - anchor) of mu/2 ||w - anchor||^2 at ``params``; None when mu is 0."""
     if mu == 0:
         return None
-    return lambda params: {k: mu * (params[k] - anchor[k]) for k in params}
+    return {k: mu * (params[k] - anchor[k]) for k in params}

@@ -1,0 +1,90 @@
+"""Memory arithmetic for the vectorized executor: budgets, per-client footprints, chunk sizes."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from fedloom.errors import ConfigError
+
+MALLOC_MMAP_THRESHOLD = 32 * 2**20
+"""glibc serves allocations above 32 MiB (its dynamic mmap threshold's ceiling) with fresh
+mmap'd pages, which are page-faulted again on every step: a stacked per-chunk tensor above this
+size makes each step pay for zeroing new memory. Chunks are kept below it."""
+
+DEFAULT_BUDGET = 2 * 2**30
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+}
+
+
+def parse_bytes(text: str | int | None) -> int:
+    """'2GB', '512MiB', '1e9' or an int -> bytes (None: the 2 GiB default)."""
+    if text is None:
+        return DEFAULT_BUDGET
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(
+            f"executor.memory_budget: cannot read {text!r}; write e.g. '512MB' or '2GiB'"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def activation_bytes_per_sample(module: nn.Module, sample: torch.Tensor) -> int:
+    """Bytes of every module output for one sample (forward hooks on the leaves)."""
+    total = 0
+
+    def hook(_m: nn.Module, _i: object, out: object) -> None:
+        nonlocal total
+        outs = out if isinstance(out, tuple) else (out,)
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                total += o.numel() * o.element_size()
+            elif isinstance(o, tuple):  # LSTM (h, c)
+                total += sum(t.numel() * t.element_size() for t in o if isinstance(t, torch.Tensor))
+
+    handles = [m.register_forward_hook(hook) for m in module.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            module.eval()
+            module(sample.unsqueeze(0))
+            module.train()
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def client_footprint(param_bytes: int, activation_bytes: int, batch_size: int) -> int:
+    """Working memory of one client in a vmapped step: parameters, start copy, gradients,
+    update and correction temporaries (about 6 model copies), plus activations kept for the
+    backward pass and their gradients (about 3 copies per sample)."""
+    return 6 * param_bytes + 3 * activation_bytes * max(1, batch_size)
+
+
+def choose_chunk_size(
+    footprint: int, param_bytes: int, budget: int, num_clients: int, requested: int | None
+) -> int:
+    """Clients per vmapped chunk: the requested size, else as many as the budget allows
+    while one stacked parameter tensor stays under glibc's mmap threshold."""
+    if requested is not None:
+        return max(1, min(requested, num_clients))
+    by_budget = budget // max(1, footprint)
+    by_allocator = MALLOC_MMAP_THRESHOLD // max(1, param_bytes)
+    return int(max(1, min(by_budget, by_allocator, num_clients)))
