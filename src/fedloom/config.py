@@ -103,6 +103,12 @@ class ExecutorConfig(StrictModel):
     address: str | None = None
 
 
+class StateConfig(StrictModel):
+    storage: Literal["memory", "mmap"] = "memory"
+    """Per-client persistent state: stacked tensors in RAM, or memory-mapped files under the
+    run directory's ``state/`` (for very many clients)."""
+
+
 class RunConfig(StrictModel):
     seed: int = 0
     data: DataConfig = Field(default_factory=DataConfig)
@@ -112,6 +118,7 @@ class RunConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
 
     @model_validator(mode="after")
     def _algorithm_named(self) -> RunConfig:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from fedloom.engine.lean import LeanModule
 from fedloom.engine.pytree import Tree
 from fedloom.models.base import FedModel
 from fedloom.rng import seed_for
@@ -26,7 +27,17 @@ class FunctionalModel:
         self.module = module
         self.task = task
         self.param_keys = [n for n, _ in module.named_parameters()]
+        self._lean: LeanModule | None = None
         self.buffer_keys = [n for n, _ in module.named_buffers()]
+
+    def lean(self) -> LeanModule:
+        """The private flat-buffer copy used by the sequential local solver (made once)."""
+        if self._lean is None:
+            self._lean = LeanModule(self.module)
+        return self._lean
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_lean": None}
 
     def initial_state(self, seed: int) -> tuple[Tree, Tree]:
         """Fresh (params, buffers) from the stream (seed, 'init'): the same for every executor."""

@@ -88,19 +88,29 @@ def local_sgd(
 ) -> LocalSolution:
     """Run SGD steps w <- w - lr (grad F_k(w; batch) + correction(w)) along ``plan``.
 
-    The inputs are not modified; buffers are copied before BatchNorm updates them.
+    The inputs are not modified. Runs on the model's lean trainer (flat buffers, one fused
+    update per step); the math is the same as the functional path the vectorized executor
+    vmaps.
     """
-    start = params
-    params = {k: v.detach() for k, v in params.items()}
-    buffers = {k: v.clone() for k, v in buffers.items()}
-    total = torch.zeros(())
-    with torch.no_grad():
-        for idx in plan:
-            grads, loss = model.grad_and_loss(params, buffers, x[idx], y[idx])
+    lean = model.lean()
+    lean.load(params, buffers)
+    flat, flat_grad = lean.flat, lean.flat_grad
+    grads = lean.grad_view()
+    total = 0.0
+    for idx in plan:
+        flat_grad.zero_()
+        with torch.enable_grad():
+            loss = model.loss_from_output(lean.module(x[idx]), y[idx])
+            loss.backward()
+        with torch.no_grad():
             if correction is not None:
-                extra = correction(params)
+                extra = correction(lean.views)
                 if extra is not None:
-                    grads = {k: g + extra[k] for k, g in grads.items()}
-            params = {k: p - lr * grads[k] for k, p in params.items()}
-            total += loss
-    return LocalSolution(params, buffers, float(total) / max(1, len(plan)), start, lr, len(plan))
+                    for k, g in grads.items():
+                        g.add_(extra[k])
+            flat.sub_(flat_grad, alpha=lr)
+        total += float(loss.detach())
+    solved_params = lean.params()
+    return LocalSolution(
+        solved_params, lean.buffers_copy(), total / max(1, len(plan)), params, lr, len(plan)
+    )

@@ -29,6 +29,7 @@ from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.engine.progress import RoundProgress
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import sample_clients, straggler_steps
+from fedloom.engine.state_store import ClientStateStore
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
 
@@ -136,7 +137,7 @@ class Engine:
         )
 
     def evaluate(
-        self, server: State, states: dict[int, State | None], round: int
+        self, server: State, states: ClientStateStore, round: int
     ) -> tuple[dict[str, Any], dict[int, pytree.Tree]]:
         classification = self.data.task == "classification"
         row: dict[str, Any] = {}
@@ -155,7 +156,7 @@ class Engine:
             counts = []
             for cid in ids:
                 data = self.data.clients[cid]
-                state = states.get(cid)
+                state = states.get(cid) if cid in states else None
                 if state is None:
                     state = self.algorithm.init_client_state(server, cid)
                 params, buffers = self.algorithm.deployed_model(
@@ -172,12 +173,17 @@ class Engine:
         return row, deployed
 
     # -- the loop -------------------------------------------------------------------------
+    def _new_store(self) -> ClientStateStore:
+        directory = self.run_dir.path / "state" if self.run_dir is not None else None
+        slots = self.data.num_clients + (1 if self.algorithm.pooled else 0)
+        return ClientStateStore(slots, self.config.state.storage, directory)
+
     def _initial(self) -> dict[str, Any]:
         params, buffers = self.model.initial_state(self.config.seed)
         return {
             "round": 0,
             "server": self.algorithm.init_server_state(params, buffers),
-            "clients": {},
+            "clients": self._new_store(),
             "history": [],
             "bytes_up": 0,
             "bytes_down": 0,
@@ -203,7 +209,12 @@ class Engine:
             if saved is None:
                 raise RunDirError(f"{self.run_dir.path} has no checkpoint to resume from")
             st = saved
+            store = self._new_store()
+            store.load_state_dict(saved["clients"])
+            st["clients"] = store
             self.run_dir.rewrite_metrics(st["history"])
+            if st.get("executor_choice") and hasattr(self.executor, "choice"):
+                self.executor.choice = st["executor_choice"]  # resume on the same executor
         history: list[dict[str, Any]] = st["history"]
         server, states = st["server"], st["clients"]
         rounds = cfg.train.rounds
@@ -234,11 +245,12 @@ class Engine:
                 every = cfg.checkpoint.every
                 if self.run_dir and every and (round % every == 0 or last):
                     st["elapsed"] = time.perf_counter() - start
+                    st["executor_choice"] = getattr(self.executor, "choice", None)
                     payload = {
                         **st,
                         "round": round,
                         "server": server,
-                        "clients": states,
+                        "clients": states.state_dict(),
                         "history": history,
                     }
                     self.run_dir.save_checkpoint(round, payload, cfg.checkpoint.keep)
@@ -257,8 +269,8 @@ class Engine:
         )
 
     def _one_round(
-        self, round: int, server: State, states: dict[int, State | None], st: dict[str, Any]
-    ) -> tuple[State, dict[int, State | None], dict[str, Any]]:
+        self, round: int, server: State, states: ClientStateStore, st: dict[str, Any]
+    ) -> tuple[State, ClientStateStore, dict[str, Any]]:
         cfg = self.config
         if self.algorithm.pooled:
             clients = [POOLED_CLIENT]
@@ -266,17 +278,17 @@ class Engine:
             clients = sample_clients(cfg.seed, round, self.train_ids, cfg.train.clients_per_round)
         for c in clients:
             if c not in states:
-                states[c] = self.algorithm.init_client_state(server, c)
+                states.set(c, self.algorithm.init_client_state(server, c))
         message = self.algorithm.server_message(server)
         tasks = self.tasks_for_round(round, clients)
         results: list[ClientResult] = self.executor.run_round(
-            self.algorithm, message, tasks, [states[c] for c in clients]
+            self.algorithm, message, tasks, [states.get(c) for c in clients]
         )
         for task, result in zip(tasks, results, strict=True):
             for transform in self.upload_transforms:
                 result.upload = transform(result.upload, task.client_id, round)
             if result.state is not None:
-                states[task.client_id] = result.state
+                states.set(task.client_id, result.state)
         if self.algorithm.communicates:
             st["bytes_down"] += len(clients) * message_bytes(message)
             st["bytes_up"] += sum(message_bytes(r.upload) for r in results)
@@ -300,6 +312,7 @@ class Engine:
             "rounds": cfg.train.rounds,
             "seed": cfg.seed,
             "executor": self.executor.name,
+            "executor_choice": getattr(self.executor, "choice", None) or self.executor.name,
             "final": {"global": last.get("global"), "personalized": personalized},
             "communication": {"bytes_up": st["bytes_up"], "bytes_down": st["bytes_down"]},
             "wall_seconds": wall,

@@ -25,6 +25,7 @@ from fedloom.engine.memory import (
     activation_bytes_per_sample,
     choose_chunk_size,
     client_footprint,
+    keep_large_blocks_in_heap,
     parse_bytes,
 )
 from fedloom.engine.pytree import Tree
@@ -66,9 +67,13 @@ class VectorizedExecutor:
         self._param_bytes = sum(p.numel() * p.element_size() for p in model.module.parameters())
         self._act_bytes: int | None = None
         self.last_chunk_size: int | None = None
+        self._arena: Arena | None = None
+        self._heap_tuned = keep_large_blocks_in_heap()
 
     def prepare(self, clients: list[ClientData]) -> None:
-        pass
+        """Concatenate every client's training data once into one arena, so that a step's
+        minibatches for a whole chunk are a single gather."""
+        self._arena = Arena(clients)
 
     def close(self) -> None:
         pass
@@ -81,7 +86,12 @@ class VectorizedExecutor:
             )
         footprint = client_footprint(self._param_bytes, self._act_bytes, max_batch)
         return choose_chunk_size(
-            footprint, self._param_bytes, self.budget, len(tasks), self.requested_chunk
+            footprint,
+            self._param_bytes,
+            self.budget,
+            len(tasks),
+            self.requested_chunk,
+            self._heap_tuned,
         )
 
     # -- the round ------------------------------------------------------------------------
@@ -124,7 +134,7 @@ class VectorizedExecutor:
     ) -> list[LocalSolution]:
         dev = self.device
         starts = [algorithm.local_start(message, s, t) for s, t in zip(states, tasks, strict=True)]
-        params = {k: v.to(dev) for k, v in stack([p for p, _ in starts]).items()}
+        params = {k: v.to(dev) for k, v in stack([p for p, _ in starts]).items()}  # own copies
         buffers = (
             {k: v.to(dev) for k, v in stack([b for _, b in starts]).items()} if starts[0][1] else {}
         )
@@ -132,105 +142,88 @@ class VectorizedExecutor:
         step = self._step_fn(algorithm, message)
         num = len(tasks)
         lr = tasks[0].lr
-        steps = [len(p) for p in plans]
+        datas = [t.data for t in tasks]
+        arena = (
+            self._arena if self._arena is not None and self._arena.holds(datas) else Arena(datas)
+        )
+        index, weight, steps = arena.batch_index(datas, plans)
+        x_all, y_all = arena.x, arena.y
         loss_sum = torch.zeros(num)
-        xs = [t.data.x_train for t in tasks]
-        ys = [t.data.y_train for t in tasks]
-        for s in range(max(steps)):
+        for s in range(index.shape[0]):
             active = [c for c in range(num) if s < steps[c]]
-            groups = self._groups(active, [plans[c][s] for c in active] if active else [], num)
-            for members, batch in groups:
-                xb, yb, wb, on = self._gather(xs, ys, plans, s, members, batch, steps)
+            for members, width in self._groups(active, [len(plans[c][s]) for c in active], num):
                 sub = members if len(members) < num else None
+                rows = index[s] if sub is None else index[s, sub]
+                rows = rows[:, :width]
+                xb = x_all[rows.reshape(-1)].view(*rows.shape, *x_all.shape[1:]).to(dev)
+                yb = y_all[rows.reshape(-1)].view(*rows.shape, *y_all.shape[1:]).to(dev)
+                wb = (weight[s] if sub is None else weight[s, sub])[:, :width].to(dev)
+                on = (wb.sum(dim=1) > 0).to(wb.dtype)
                 p_in = params if sub is None else {k: v[sub] for k, v in params.items()}
                 b_in = buffers if sub is None else {k: v[sub] for k, v in buffers.items()}
                 st_in = stacked_state if sub is None else _index_state(stacked_state, sub)
-                new_p, losses = step(
-                    p_in, b_in, xb.to(dev), yb.to(dev), wb.to(dev), on.to(dev), lr, st_in
-                )
-                if sub is None:
-                    params = new_p
-                else:
-                    index = torch.tensor(sub, device=dev)
-                    params = {k: v.index_copy(0, index, new_p[k]) for k, v in params.items()}
+                new_p, losses = step(p_in, b_in, xb, yb, wb, on, lr, st_in)
+                if sub is not None:
+                    where = torch.tensor(sub, device=dev)
+                    for k, v in params.items():
+                        v.index_copy_(0, where, new_p[k])
                     for k, v in buffers.items():
-                        v.index_copy_(0, index, b_in[k])
-                loss_sum[torch.tensor(members)] += losses.detach().cpu()
-        cpu_params = {k: v.cpu() for k, v in params.items()}
-        cpu_buffers = {k: v.cpu() for k, v in buffers.items()}
+                        v.index_copy_(0, where, b_in[k])
+                loss_sum[members] += losses.detach().cpu()
+        cpu_params = unstack({k: v.cpu() for k, v in params.items()}, num)
+        cpu_buffers = unstack({k: v.cpu() for k, v in buffers.items()}, num) if buffers else None
         return [
-            LocalSolution(p, b, float(loss_sum[c]) / max(1, steps[c]), starts[c][0], lr, steps[c])
-            for c, (p, b) in enumerate(
-                zip(
-                    unstack(cpu_params, num),
-                    unstack(cpu_buffers, num) if buffers else [{}] * num,
-                    strict=True,
-                )
+            LocalSolution(
+                cpu_params[c],
+                cpu_buffers[c] if cpu_buffers else {},
+                float(loss_sum[c]) / max(1, steps[c]),
+                starts[c][0],
+                lr,
+                steps[c],
             )
+            for c in range(num)
         ]
 
-    def _groups(
-        self, active: list[int], batches: list[torch.Tensor], num: int
-    ) -> list[tuple[list[int], int]]:
-        """Which clients take step s together, and the padded batch size.
+    def _groups(self, active: list[int], sizes: list[int], num: int) -> list[tuple[list[int], int]]:
+        """Which clients take step s together, and their padded batch width.
 
         Without normalization layers all clients go together (inactive ones masked); with
         them, clients are grouped by their exact batch size (no padding, no masking)."""
         if not active:
             return []
         if not self.has_norm:
-            return [(list(range(num)), max(len(b) for b in batches))]
+            return [(list(range(num)), max(sizes))]
         by_size: dict[int, list[int]] = {}
-        for c, b in zip(active, batches, strict=True):
-            by_size.setdefault(len(b), []).append(c)
+        for c, size in zip(active, sizes, strict=True):
+            by_size.setdefault(size, []).append(c)
         return [(members, size) for size, members in sorted(by_size.items())]
-
-    @staticmethod
-    def _gather(
-        xs: list[torch.Tensor],
-        ys: list[torch.Tensor],
-        plans: list[list[torch.Tensor]],
-        s: int,
-        members: list[int],
-        batch: int,
-        steps: list[int],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded (C, batch, ...) inputs, targets, sample weights and the active mask."""
-        ref_x, ref_y = xs[members[0]], ys[members[0]]
-        xb = ref_x.new_zeros((len(members), batch, *ref_x.shape[1:]))
-        yb = ref_y.new_zeros((len(members), batch, *ref_y.shape[1:]))
-        wb = torch.zeros(len(members), batch)
-        on = torch.zeros(len(members))
-        for row, c in enumerate(members):
-            if s >= steps[c]:
-                continue
-            idx = plans[c][s]
-            xb[row, : len(idx)] = xs[c][idx]
-            yb[row, : len(idx)] = ys[c][idx]
-            wb[row, : len(idx)] = 1.0
-            on[row] = 1.0
-        return xb, yb, wb, on
 
     def _step_fn(self, algorithm: Algorithm, message: Message) -> Callable[..., Any]:
         model = self.model
         with_correction = algorithm.has_correction()
 
-        def one_client(params, buffers, xb, yb, wb, on, lr, state):
+        def one_client(params, buffers, xb, yb, wb, state):
             grads, loss = grad_and_value(model.weighted_loss)(params, buffers, xb, yb, wb)
             if with_correction:
                 extra = algorithm.local_correction(params, message, state)
                 if extra is not None:
                     grads = {k: g + extra[k] for k, g in grads.items()}
-            return {k: p - (lr * on) * grads[k] for k, p in params.items()}, loss * on
+            return grads, loss
 
-        per_client = vmap(one_client, in_dims=(0, 0, 0, 0, 0, 0, None, 0))
-        shared_state = vmap(one_client, in_dims=(0, 0, 0, 0, 0, 0, None, None))
+        per_client = vmap(one_client, in_dims=(0, 0, 0, 0, 0, 0))
+        shared_state = vmap(one_client, in_dims=(0, 0, 0, 0, 0, None))
 
         def step(params, buffers, xb, yb, wb, on, lr, state):
+            """One SGD step of every client in the chunk, updating ``params`` in place:
+            p <- p - lr * on * grad (on = 0 for a client without a minibatch at this step)."""
             model.module.train()
             batched = shared_state if state is None else per_client
             with torch.no_grad():
-                return batched(params, buffers, xb, yb, wb, on, lr, state)
+                grads, losses = batched(params, buffers, xb, yb, wb, state)
+                scale = -lr * on
+                for k, p in params.items():
+                    p.addcmul_(grads[k], scale.view(-1, *([1] * (p.ndim - 1))))
+            return params, losses * on
 
         return step
 
@@ -241,3 +234,49 @@ def _index_state(state: Any, rows: list[int]) -> Any:
     if isinstance(state, dict):
         return {k: _index_state(v, rows) for k, v in state.items()}
     return state[rows]
+
+
+class Arena:
+    """Every client's training samples concatenated once; a client is an offset into it."""
+
+    def __init__(self, clients: list[ClientData]) -> None:
+        self.offsets: dict[int, int] = {}
+        xs, ys, offset = [], [], 0
+        for data in clients:
+            if id(data) in self.offsets:
+                continue
+            self.offsets[id(data)] = offset
+            xs.append(data.x_train)
+            ys.append(data.y_train)
+            offset += data.num_train
+        self.x = torch.cat(xs) if xs else torch.empty(0)
+        self.y = torch.cat(ys) if ys else torch.empty(0)
+
+    def holds(self, clients: list[ClientData]) -> bool:
+        return all(id(d) in self.offsets for d in clients)
+
+    def batch_index(
+        self, clients: list[ClientData], plans: list[list[torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(steps, clients, width) arena rows and 0/1 sample weights for the chunk's plans
+        (padding rows point at row 0 with weight 0), and each client's number of steps."""
+        steps = [len(p) for p in plans]
+        lens = [len(b) for p in plans for b in p]
+        width = max(lens, default=1)
+        index = torch.zeros(max(steps, default=0), len(plans), width, dtype=torch.long)
+        weight = torch.zeros(index.shape)
+        if not lens:
+            return index, weight, steps
+        # one row per minibatch: its step s, its client c, and the arena offset of c
+        step_of = [s for p in plans for s in range(len(p))]
+        client_of = [c for c, p in enumerate(plans) for _ in p]
+        offsets = [self.offsets[id(d)] for d in clients]
+        lengths = torch.tensor(lens)
+        rows = torch.cat([b for p in plans for b in p])
+        starts = torch.cumsum(lengths, 0) - lengths
+        s_idx = torch.repeat_interleave(torch.tensor(step_of), lengths)
+        c_idx = torch.repeat_interleave(torch.tensor(client_of), lengths)
+        j_idx = torch.arange(len(rows)) - torch.repeat_interleave(starts, lengths)
+        index[s_idx, c_idx, j_idx] = rows + torch.tensor(offsets)[c_idx]
+        weight[s_idx, c_idx, j_idx] = 1.0
+        return index, weight, steps

@@ -1,0 +1,105 @@
+"""``executor.kind: auto``: pick the sequential (lean) or the vectorized executor, and the
+thread count, for this model and data by timing a few local steps of each on the first round.
+
+Tiny models win big from vmap (thousands of clients per call); large convolutional models do
+not (grouped convolutions under vmap are slower than one client at a time), and in between it
+depends on the machine. Timing the real model on the real minibatches decides. The choice is
+made once, reported in ``choice`` (and in the run summary), and kept in checkpoints so that a
+resumed run continues on the same executor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.config import ExecutorConfig
+from fedloom.data.federated import ClientData
+from fedloom.engine.executor import SequentialExecutor
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.vectorized import VectorizedExecutor
+
+PROBE_STEPS = 3
+PROBE_CLIENTS = 16
+
+
+class AutoExecutor:
+    name = "auto"
+
+    def __init__(self, model: FunctionalModel, config: ExecutorConfig) -> None:
+        self.model = model
+        self.config = config
+        self.sequential = SequentialExecutor()
+        self.vectorized = VectorizedExecutor(
+            model, config.chunk_size, config.memory_budget, config.device
+        )
+        self.choice: str | None = None
+        """'sequential/threads=T' or 'vectorized/threads=T' once decided."""
+        self.timings: dict[str, float] = {}
+
+    def prepare(self, clients: list[ClientData]) -> None:
+        self.vectorized.prepare(clients)
+
+    def close(self) -> None:
+        self.vectorized.close()
+
+    def _candidates(self) -> list[tuple[str, int]]:
+        cores = os.cpu_count() or 1
+        threads = [self.config.threads] if self.config.threads else sorted({1, cores})
+        kinds = ["vectorized"] if self.config.device == "cuda" else ["sequential", "vectorized"]
+        return [(k, t) for k in kinds for t in threads]
+
+    def _probe(
+        self,
+        algorithm: Algorithm,
+        message: Message,
+        tasks: list[ClientTask],
+        states: list[State | None],
+    ) -> str:
+        """Seconds per client-step of each candidate on the first clients' first minibatches."""
+        sample = [
+            (replace(t, plan=algorithm.client_plan(t)[:PROBE_STEPS]), s)
+            for t, s in zip(tasks[:PROBE_CLIENTS], states[:PROBE_CLIENTS], strict=True)
+        ]
+        probe_tasks = [t for t, _ in sample]
+        probe_states = [s for _, s in sample]
+        work = sum(len(t.plan) for t in probe_tasks) or 1
+        before = torch.get_num_threads()
+        try:
+            for kind, threads in self._candidates():
+                torch.set_num_threads(threads)
+                executor = self.sequential if kind == "sequential" else self.vectorized
+                best = float("inf")
+                for _ in range(2):  # the first call also warms up
+                    start = time.perf_counter()
+                    # results are discarded: executors never write client states themselves
+                    executor.run_round(algorithm, message, probe_tasks, probe_states)
+                    best = min(best, time.perf_counter() - start)
+                self.timings[f"{kind}/threads={threads}"] = best / work
+        finally:
+            torch.set_num_threads(before)
+        return min(self.timings, key=self.timings.__getitem__)
+
+    def run_round(
+        self,
+        algorithm: Algorithm,
+        message: Message,
+        tasks: list[ClientTask],
+        states: list[State | None],
+    ) -> list[ClientResult]:
+        if not tasks:
+            return []
+        if self.choice is None:
+            self.choice = self._probe(algorithm, message, tasks, states)
+        kind, threads = self.choice.split("/threads=")
+        executor = self.sequential if kind == "sequential" else self.vectorized
+        before = torch.get_num_threads()
+        torch.set_num_threads(int(threads))
+        try:
+            return executor.run_round(algorithm, message, tasks, states)
+        finally:
+            torch.set_num_threads(before)

@@ -1,0 +1,328 @@
+"""The Ray executor: a round's clients spread over ``executor.workers`` Ray actors, possibly on
+several machines (docs/ray.md).
+
+Every client's data goes to the actors once, in ``prepare``, through Ray's object store; a
+round then ships only the server's message (put once per round, shared by all actors), the
+algorithm (put once per run) and per client a light work order: data index, client id, batch
+plan, learning rate, round and state. Each actor runs the sequential executor (the vectorized
+one when ``executor.chunk_size`` is set) on a contiguous group of the round's clients, so the
+numbers equal the sequential executor's up to float noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.config import ExecutorConfig
+from fedloom.data.federated import ClientData
+from fedloom.engine.functional import FunctionalModel
+from fedloom.errors import ConfigError
+
+MIN_OBJECT_STORE = 256 * 1024**2
+"""Object store of a Ray runtime the executor starts itself (grown to fit the data)."""
+CONNECT_TIMEOUT_S = 5.0
+"""How long the GCS port of ``executor.address`` may take to accept a TCP connection."""
+ACTOR_START_TIMEOUT_S = 120.0
+"""How long the workers may take to start (pending for lack of CPUs: an error)."""
+
+
+@dataclass(frozen=True)
+class LightTask:
+    """A ClientTask without its data: the worker looks the data up by ``data_index``."""
+
+    data_index: int
+    client_id: int
+    plan: list[torch.Tensor]
+    lr: float
+    round: int
+
+
+class RayWorker:
+    """The body of one Ray actor: holds every client's data, runs groups of client updates."""
+
+    def __init__(
+        self,
+        clients: list[ClientData],
+        threads: int,
+        chunk_size: int | None,
+        memory_budget: str | None,
+    ) -> None:
+        import ray
+
+        torch.set_num_threads(threads)
+        self.clients = clients
+        self.chunk_size = chunk_size
+        self.memory_budget = memory_budget
+        self.node_id: str = ray.get_runtime_context().get_node_id()
+        self._algorithm_key: str | None = None
+        self._algorithm: Algorithm | None = None
+        self._inner: Any = None
+
+    def ready(self) -> str:
+        """The id of the node this actor runs on (also: the actor has started)."""
+        return self.node_id
+
+    def _load(self, boxed_algorithm: list[Any]) -> tuple[Algorithm, Any]:
+        """The run's algorithm (fetched once per run: the ref comes boxed, so Ray does not
+        resolve it on every call) and the executor that runs it here."""
+        import ray
+
+        from fedloom.engine.executor import SequentialExecutor
+
+        ref = boxed_algorithm[0]
+        if ref.hex() != self._algorithm_key:
+            algorithm: Algorithm = ray.get(ref)
+            if self.chunk_size is not None:
+                from fedloom.engine.vectorized import VectorizedExecutor
+
+                self._inner = VectorizedExecutor(
+                    algorithm.ctx.model, self.chunk_size, self.memory_budget, "cpu"
+                )
+            else:
+                self._inner = SequentialExecutor()
+            self._algorithm, self._algorithm_key = algorithm, ref.hex()
+        assert self._algorithm is not None
+        return self._algorithm, self._inner
+
+    def run(
+        self,
+        boxed_algorithm: list[Any],
+        message: Message,
+        tasks: list[LightTask],
+        states: list[State | None],
+    ) -> tuple[str, list[ClientResult]]:
+        """Run one group of client updates; returns (node id, results in task order)."""
+        algorithm, inner = self._load(boxed_algorithm)
+        full = [
+            ClientTask(t.client_id, self.clients[t.data_index], t.plan, t.lr, t.round)
+            for t in tasks
+        ]
+        return self.node_id, inner.run_round(algorithm, message, full, states)
+
+
+def balanced_groups(weights: list[int], groups: int) -> list[range]:
+    """Split ``range(len(weights))`` into ``min(groups, len(weights))`` contiguous non-empty
+    ranges whose largest weight sum is as small as possible."""
+    n = len(weights)
+    k = min(groups, n)
+    if k == 0:
+        return []
+
+    def count(cap: int) -> int:
+        used, total = 1, 0
+        for w in weights:
+            if total + w > cap:
+                used, total = used + 1, 0
+            total += w
+        return used
+
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(mid) <= k:
+            hi = mid
+        else:
+            lo = mid + 1
+    out: list[range] = []
+    start, total = 0, 0
+    for i, w in enumerate(weights):
+        # close the current group at i if it would overflow, or if the tasks left are just
+        # enough to give each remaining group one
+        if i > start and (total + w > lo or n - i == k - len(out) - 1):
+            out.append(range(start, i))
+            start, total = i, 0
+        total += w
+    out.append(range(start, n))
+    return out
+
+
+def _check_reachable(address: str) -> None:
+    """Raise ConfigError unless ``host:port`` accepts a TCP connection (a fast check before
+    Ray's own, much slower, connect timeout)."""
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(
+            f"executor.address: '{address}' is not HOST:PORT (e.g. 'head-node:6379') or 'auto'"
+        )
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"executor.address: cannot connect to the Ray cluster at '{address}' ({err}); "
+            f"is `ray start --head` running there and the port open?"
+        ) from None
+
+
+class RayExecutor:
+    """Runs each round's clients on ``executor.workers`` Ray actors (one CPU each)."""
+
+    name = "ray"
+
+    def __init__(self, model: FunctionalModel, config: ExecutorConfig) -> None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "executor.kind: 'ray' needs the ray package, which is not installed "
+                "(pip install ray)"
+            ) from None
+        if config.device != "cpu":
+            raise ConfigError(
+                f"executor.device: '{config.device}' is not supported by the Ray executor yet "
+                "(it trains on the CPU); use device: cpu, or the vectorized executor on a GPU"
+            )
+        self.model = model
+        self.config = config
+        self.started_ray = False
+        self.actors: list[Any] = []
+        self.actor_nodes: list[str] = []
+        self._data_ref: Any = None
+        self._data_index: dict[int, int] = {}
+        self._algorithm: Algorithm | None = None
+        self._algorithm_ref: Any = None
+        self.message_puts = 0
+        """How many messages went into the object store (one per round)."""
+        self.round_nodes: list[list[str]] = []
+        """Per round, the node id each group of clients ran on."""
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _connect(self, data_bytes: int) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        address = self.config.address
+        quiet = {"logging_level": logging.WARNING, "configure_logging": True}
+        if address:
+            if address != "auto":
+                _check_reachable(address)
+            try:
+                ray.init(address=address, **quiet)
+            except Exception as err:  # Ray raises several types (ConnectionError, ...)
+                raise ConfigError(
+                    f"executor.address: cannot connect to the Ray cluster at '{address}': {err}"
+                ) from None
+        else:
+            cpus = max(os.cpu_count() or 1, self.config.workers or 1)
+            store = max(MIN_OBJECT_STORE, 2 * data_bytes + 64 * 1024**2)
+            ray.init(
+                num_cpus=cpus,
+                include_dashboard=False,
+                object_store_memory=store,
+                **quiet,
+            )
+        self.started_ray = True
+
+    def prepare(self, clients: list[ClientData]) -> None:
+        """Connect to (or start) Ray, put the clients' data once, start the workers."""
+        try:
+            self._prepare(clients)
+        except BaseException:
+            self.close()  # the engine only closes an executor that prepared successfully
+            raise
+
+    def _prepare(self, clients: list[ClientData]) -> None:
+        import ray
+
+        data_bytes = sum(
+            t.numel() * t.element_size()
+            for c in clients
+            for t in (c.x_train, c.y_train, c.x_test, c.y_test)
+        )
+        self._connect(data_bytes)
+        cluster_cpus = int(ray.cluster_resources().get("CPU", 0))
+        workers = self.config.workers or max(1, cluster_cpus)
+        if workers > cluster_cpus:
+            raise ConfigError(
+                f"executor.workers: {workers} workers need {workers} CPUs, but the Ray cluster "
+                f"has {cluster_cpus}; lower executor.workers or add nodes"
+            )
+        self._data_index = {id(c): i for i, c in enumerate(clients)}
+        self._data_ref = ray.put(clients)
+        remote = ray.remote(num_cpus=1)(RayWorker)
+        self.actors = [
+            remote.remote(
+                self._data_ref,
+                self.config.threads or 1,
+                self.config.chunk_size,
+                self.config.memory_budget,
+            )
+            for _ in range(workers)
+        ]
+        pending = [a.ready.remote() for a in self.actors]
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=ACTOR_START_TIMEOUT_S)
+        if len(done) < len(pending):
+            raise ConfigError(
+                f"executor.workers: only {len(done)} of {workers} Ray workers started within "
+                f"{ACTOR_START_TIMEOUT_S:.0f} s (not enough free CPUs in the cluster?)"
+            )
+        self.actor_nodes = ray.get(pending)
+
+    def close(self) -> None:
+        """Kill the workers; shut Ray down only if this executor started it."""
+        try:
+            import ray
+        except ImportError:
+            return
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already dead, or the cluster went away
+                ray.kill(actor)
+        self.actors = []
+        self._data_ref = self._algorithm_ref = self._algorithm = None
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+    # -- the round ------------------------------------------------------------------------
+    def run_round(
+        self,
+        algorithm: Algorithm,
+        message: Message,
+        tasks: list[ClientTask],
+        states: list[State | None],
+    ) -> list[ClientResult]:
+        import ray
+
+        if not tasks:
+            return []
+        if not self.actors:
+            raise RuntimeError("RayExecutor.run_round called before prepare()")
+        if algorithm is not self._algorithm:
+            self._algorithm, self._algorithm_ref = algorithm, ray.put(algorithm)
+        message_ref = ray.put(message)
+        self.message_puts += 1
+        light = []
+        for t in tasks:
+            index = self._data_index.get(id(t.data))
+            if index is None:
+                raise RuntimeError(
+                    f"client {t.client_id}'s data was not given to RayExecutor.prepare()"
+                )
+            light.append(LightTask(index, t.client_id, t.plan, t.lr, t.round))
+        groups = balanced_groups([max(1, len(t.plan)) for t in tasks], len(self.actors))
+        futures = [
+            actor.run.remote(
+                [self._algorithm_ref],
+                message_ref,
+                [light[i] for i in group],
+                [states[i] for i in group],
+            )
+            for actor, group in zip(self.actors, groups, strict=False)
+        ]
+        results: list[ClientResult] = []
+        nodes: list[str] = []
+        for node, part in ray.get(futures):
+            nodes.append(node)
+            results.extend(part)
+        self.round_nodes.append(nodes)
+        return results

@@ -1,0 +1,138 @@
+"""Persistent per-client state (personal models, control variates, dual variables) stored as
+one stacked float tensor per state entry: row k is client k.
+
+Stacking keeps 10,000 clients with a 2NN-sized personal model (199,210 float32 parameters,
+0.8 MB each) at 8.0 GB in one allocation per parameter instead of 60,000 small tensors, makes
+a chunk of clients' states one index away for the vectorized executor, and lets the rows live
+in memory-mapped files under the run directory (``state.storage: mmap``) when RAM is short:
+pages are only touched for clients that exist. Rows are created lazily the first time a
+client's state is set.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+State = dict[str, Any]
+SEP = "/"
+
+
+def _flatten(state: State, prefix: str = "") -> dict[str, Any]:
+    """Leaves by path; an empty sub-dict is kept as the leaf ``{}`` so it round-trips."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out |= _flatten(value, path + SEP)
+        else:
+            out[path] = value
+    return out
+
+
+def _unflatten(flat: dict[str, Any]) -> State:
+    out: State = {}
+    for path, value in flat.items():
+        node = out
+        *parents, leaf = path.split(SEP)
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+class ClientStateStore:
+    """Mapping client id -> state, backed by stacked tensors (``memory``) or memory-mapped
+    files (``mmap``, under ``directory``)."""
+
+    def __init__(self, num_clients: int, storage: str = "memory", directory: Path | None = None):
+        if storage not in ("memory", "mmap"):
+            raise ValueError(f"state storage must be 'memory' or 'mmap', not {storage!r}")
+        self.num_clients = num_clients
+        self.storage = storage
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if storage == "mmap" and directory is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fedloom-state-")
+            directory = Path(self._tmp.name)
+        self.directory = directory
+        self.present = torch.zeros(num_clients, dtype=torch.bool)
+        self.tables: dict[str, torch.Tensor] = {}
+        self._none: set[int] = set()
+        self._empty: set[str] = set()
+
+    # -- mapping --------------------------------------------------------------------------
+    def __contains__(self, client: object) -> bool:
+        return isinstance(client, int) and (
+            client in self._none or (0 <= client < self.num_clients and bool(self.present[client]))
+        )
+
+    def get(self, client: int) -> State | None:
+        """The client's state as views into the tables (None if never set, or set to None)."""
+        if client not in self or client in self._none:
+            return None
+        flat: dict[str, Any] = {path: table[client] for path, table in self.tables.items()}
+        return _unflatten(flat | {path: {} for path in self._empty})
+
+    def set(self, client: int, state: State | None) -> None:
+        if state is None:
+            self._none.add(client)
+            return
+        flat = _flatten(state)
+        for path, value in flat.items():
+            if isinstance(value, dict):
+                self._empty.add(path)
+                continue
+            table = self.tables.get(path)
+            if table is None:
+                table = self.tables[path] = self._allocate(path, value)
+            table[client].copy_(value)
+        self.present[client] = True
+
+    def __iter__(self) -> Iterator[int]:
+        yield from sorted(set(torch.nonzero(self.present).flatten().tolist()) | self._none)
+
+    def stacked(self, clients: list[int]) -> State:
+        """The states of ``clients`` stacked along a leading dimension (for vmap)."""
+        index = torch.tensor(clients)
+        flat: dict[str, Any] = {p: t.index_select(0, index) for p, t in self.tables.items()}
+        return _unflatten(flat | {path: {} for path in self._empty})
+
+    # -- storage --------------------------------------------------------------------------
+    def _allocate(self, path: str, like: torch.Tensor) -> torch.Tensor:
+        shape = (self.num_clients, *like.shape)
+        if self.storage == "memory":
+            return torch.zeros(shape, dtype=like.dtype)
+        assert self.directory is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        file = self.directory / (path.replace(SEP, "__") + ".bin")
+        numel = math.prod(shape)
+        table = torch.from_file(str(file), shared=True, size=numel, dtype=like.dtype)
+        return table.view(shape)
+
+    def nbytes(self) -> int:
+        """Logical size of all tables (what they occupy once every client is set)."""
+        return sum(t.numel() * t.element_size() for t in self.tables.values())
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_clients": self.num_clients,
+            "present": self.present.clone(),
+            "none": sorted(self._none),
+            "empty": sorted(self._empty),
+            "tables": dict(self.tables),  # torch.save writes them out; no extra copy
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.present = saved["present"].clone()
+        self._none = set(saved["none"])
+        self._empty = set(saved["empty"])
+        self.tables = {}
+        for path, table in saved["tables"].items():
+            self.tables[path] = self._allocate(path, table[0])
+            self.tables[path].copy_(table)

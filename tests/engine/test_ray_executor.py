@@ -1,0 +1,225 @@
+"""The Ray executor on a real two-node Ray cluster (two ``ray start`` processes on 127.0.0.1):
+same numbers as the sequential executor for every algorithm, work on both nodes, the message
+in the object store once per round, a runtime of its own without an address, clear errors."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import fedloom
+from fedloom.algorithms import ALGORITHMS
+from fedloom.config import ExecutorConfig
+from fedloom.engine import ray_executor
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.ray_executor import RayExecutor, balanced_groups
+from fedloom.errors import ConfigError
+from tests.conftest import metrics_without_time
+from tests.engine.ray_cluster import free_port, ray_cluster
+
+ray = pytest.importorskip("ray")
+
+ROUNDS = 3
+BASE: dict[str, Any] = {
+    "seed": 0,
+    "data": {"name": "digits", "num_clients": 8, "partition": {"kind": "dirichlet", "alpha": 0.5}},
+    "model": {"name": "mlp"},
+    "train": {
+        "rounds": ROUNDS,
+        "clients_per_round": 5,
+        "local_epochs": 1,
+        "batch_size": 20,
+        "stragglers": 0.4,
+    },
+    "eval": {"every": 3},
+}
+TOL = 1e-4
+
+
+def config(algorithm: str, executor: dict[str, Any]) -> dict[str, Any]:
+    cfg = copy.deepcopy(BASE)
+    cfg["algorithm"] = {"name": algorithm}
+    cfg["executor"] = executor
+    return cfg
+
+
+_sequential: dict[str, fedloom.RunResult] = {}
+
+
+def sequential(algorithm: str) -> fedloom.RunResult:
+    """The reference run (cached: several tests compare against it)."""
+    if algorithm not in _sequential:
+        cfg = config(algorithm, {"kind": "sequential"})
+        _sequential[algorithm] = fedloom.run(cfg, write=False, progress=False)
+    return _sequential[algorithm]
+
+
+def assert_close(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts/lists of numbers and tensors equal within TOL."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape, where
+        assert torch.allclose(a, b, atol=TOL, rtol=0), f"{where}: max |diff| {(a - b).abs().max()}"
+    elif isinstance(a, float) and isinstance(b, float):
+        assert abs(a - b) <= TOL, f"{where}: {a} != {b}"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_run(ray_run: Any, seq_run: Any) -> None:
+    assert ray_run.summary["executor"] == "ray"
+    assert ray_run.client_params.keys() == seq_run.client_params.keys()
+    assert_close(ray_run.client_params, seq_run.client_params, "client_params")
+    assert_close(
+        metrics_without_time(ray_run.history), metrics_without_time(seq_run.history), "history"
+    )
+    assert_close(ray_run.global_params, seq_run.global_params, "global_params")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A real local Ray cluster: a head node and one worker node, one CPU each."""
+    started = time.perf_counter()
+    with ray_cluster(nodes=2, cpus_per_node=1) as address:
+        print(f"Ray test cluster at {address} up in {time.perf_counter() - started:.1f} s")
+        yield address
+    assert not ray.is_initialized()
+
+
+class Recorded:
+    """Every RayExecutor the runs make, and every ``ray.put``."""
+
+    def __init__(self) -> None:
+        self.executors: list[RayExecutor] = []
+        self.puts: list[type] = []
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Recorded:
+    rec = Recorded()
+
+    class RecordingExecutor(RayExecutor):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            rec.executors.append(self)
+
+    real_put = ray.put
+
+    def put(value: Any, *args: Any, **kwargs: Any) -> Any:
+        rec.puts.append(type(value))
+        return real_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray_executor, "RayExecutor", RecordingExecutor)
+    monkeypatch.setattr(ray, "put", put)
+    return rec
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS.names())
+def test_ray_equals_sequential(cluster: str, recorded: Recorded, algorithm: str) -> None:
+    executor = {"kind": "ray", "address": cluster, "workers": 2}
+    result = fedloom.run(config(algorithm, executor), write=False, progress=False)
+    assert_same_run(result, sequential(algorithm))
+    assert not ray.is_initialized(), "the executor connected, so it must disconnect"
+
+    (ex,) = recorded.executors
+    assert ex.message_puts == ROUNDS
+    # the data once, the algorithm once, then one message per round
+    assert recorded.puts[0] is list
+    assert len(recorded.puts) == 2 + ROUNDS, recorded.puts
+    assert len(set(ex.actor_nodes)) == 2, "one worker on each node"
+    assert len(ex.round_nodes) == ROUNDS
+    if algorithm != "centralized":  # 5 clients a round: both workers get some
+        assert all(len(set(nodes)) == 2 for nodes in ex.round_nodes), ex.round_nodes
+    else:  # one pooled client
+        assert all(len(nodes) == 1 for nodes in ex.round_nodes)
+
+
+def test_vectorized_inside_workers(cluster: str, recorded: Recorded) -> None:
+    executor = {"kind": "ray", "address": cluster, "workers": 2, "chunk_size": 2}
+    result = fedloom.run(config("fedprox", executor), write=False, progress=False)
+    assert_same_run(result, sequential("fedprox"))
+
+
+def test_reuses_an_initialized_ray(cluster: str) -> None:
+    ray.init(address=cluster, logging_level="WARNING")
+    try:
+        cfg = config("fedavg", {"kind": "ray", "workers": 2})
+        result = fedloom.run(cfg, write=False, progress=False)
+        assert ray.is_initialized(), "Ray was started by the caller: the executor leaves it on"
+        assert_same_run(result, sequential("fedavg"))
+    finally:
+        ray.shutdown()
+
+
+def test_too_many_workers_for_the_cluster(cluster: str) -> None:
+    cfg = config("fedavg", {"kind": "ray", "address": cluster, "workers": 5})
+    with pytest.raises(ConfigError, match=r"executor\.workers: 5 workers.*has 2"):
+        fedloom.run(cfg, write=False, progress=False)
+    assert not ray.is_initialized()
+
+
+def test_local_runtime_without_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a new local Ray sets RAY_AUTH_MODE=token in os.environ: undo that after the test
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert not ray.is_initialized()
+    cfg = config("local", {"kind": "ray", "workers": 2})
+    result = fedloom.run(cfg, write=False, progress=False)
+    assert not ray.is_initialized(), "the executor started Ray, so it must shut it down"
+    assert_same_run(result, sequential("local"))
+
+
+def test_unreachable_address_names_it() -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.perf_counter()
+    cfg = config("fedavg", {"kind": "ray", "address": address})
+    with pytest.raises(ConfigError, match=rf"executor\.address: cannot connect .*'{address}'"):
+        fedloom.run(cfg, write=False, progress=False)
+    assert time.perf_counter() - started < 30
+    assert not ray.is_initialized()
+
+
+def test_malformed_address() -> None:
+    cfg = config("fedavg", {"kind": "ray", "address": "head-node"})
+    with pytest.raises(ConfigError, match=r"executor\.address: 'head-node' is not HOST:PORT"):
+        fedloom.run(cfg, write=False, progress=False)
+
+
+def test_cuda_is_not_supported_yet() -> None:
+    model = FunctionalModel(torch.nn.Linear(2, 2), "regression")
+    with pytest.raises(ConfigError, match=r"executor\.device: 'cuda' is not supported"):
+        RayExecutor(model, ExecutorConfig(kind="ray", device="cuda"))
+
+
+def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    model = FunctionalModel(torch.nn.Linear(2, 2), "regression")
+    with pytest.raises(ConfigError, match="pip install ray"):
+        RayExecutor(model, ExecutorConfig(kind="ray"))
+
+
+@pytest.mark.parametrize(
+    ("weights", "groups", "expected"),
+    [
+        ([5, 5, 5, 5, 5], 2, [[0, 1, 2], [3, 4]]),
+        ([1, 1, 1, 10], 2, [[0, 1, 2], [3]]),
+        ([10, 1, 1, 1], 3, [[0], [1, 2], [3]]),
+        ([1, 1, 1, 1, 1, 1], 4, [[0, 1], [2, 3], [4], [5]]),
+        ([3, 3], 4, [[0], [1]]),
+        ([], 2, []),
+    ],
+)
+def test_balanced_groups(weights: list[int], groups: int, expected: list[list[int]]) -> None:
+    assert [list(r) for r in balanced_groups(weights, groups)] == expected
