@@ -55,11 +55,11 @@ def _ours(temp_dir: str) -> list[int]:
 
 def _stop(procs: list[subprocess.Popen[bytes]], temp_dir: str) -> None:
     """Terminate each node's process group, then any leftover process of this cluster."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
         for proc in reversed(procs):  # worker nodes before the head
             with suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)
     for pid in _ours(temp_dir):

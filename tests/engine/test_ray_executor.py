@@ -5,6 +5,7 @@ in the object store once per round, a runtime of its own without an address, cle
 from __future__ import annotations
 
 import copy
+import pickle
 import sys
 import time
 from collections.abc import Iterator
@@ -16,9 +17,10 @@ import torch
 import fedloom
 from fedloom.algorithms import ALGORITHMS
 from fedloom.config import ExecutorConfig
+from fedloom.data.federated import ClientData
 from fedloom.engine import ray_executor
 from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.ray_executor import RayExecutor, balanced_groups
+from fedloom.engine.ray_executor import RayExecutor, balanced_groups, compact, compact_client
 from fedloom.errors import ConfigError
 from tests.conftest import metrics_without_time
 from tests.engine.ray_cluster import free_port, ray_cluster
@@ -40,11 +42,12 @@ BASE: dict[str, Any] = {
     "eval": {"every": 3},
 }
 TOL = 1e-4
+HYPER: dict[str, dict[str, Any]] = {"fedprox": {"mu": 0.1}, "fedavg_ft": {"finetune_steps": 4}}
 
 
 def config(algorithm: str, executor: dict[str, Any]) -> dict[str, Any]:
     cfg = copy.deepcopy(BASE)
-    cfg["algorithm"] = {"name": algorithm}
+    cfg["algorithm"] = {"name": algorithm, **HYPER.get(algorithm, {})}
     cfg["executor"] = executor
     return cfg
 
@@ -223,3 +226,14 @@ def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> Non
 )
 def test_balanced_groups(weights: list[int], groups: int, expected: list[list[int]]) -> None:
     assert [list(r) for r in balanced_groups(weights, groups)] == expected
+
+
+def test_compact_ships_views_at_their_own_size() -> None:
+    full = torch.randn(1000, 8)
+    view = full[10:20]  # pickling the view alone would write all 1000 rows
+    out = compact({"a": [view, (full[:, 0],)], "b": full, "c": 3})
+    assert len(pickle.dumps(out["a"][0])) < 2000 < len(pickle.dumps(view))
+    assert torch.equal(out["a"][0], view) and torch.equal(out["a"][1][0], full[:, 0])
+    assert out["b"] is full and out["c"] == 3  # nothing to compact: the same object
+    client = compact_client(ClientData(full[:5], full[:5, 0], full[5:7], full[5:7, 0]))
+    assert len(pickle.dumps(client)) < 4000

@@ -21,6 +21,8 @@ from fedloom.config import ExecutorConfig
 from fedloom.data.federated import ClientData
 from fedloom.engine.executor import SequentialExecutor
 from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.metrics import EvalCounts
+from fedloom.engine.pytree import Tree
 from fedloom.engine.vectorized import VectorizedExecutor
 
 PROBE_STEPS = 3
@@ -33,7 +35,7 @@ class AutoExecutor:
     def __init__(self, model: FunctionalModel, config: ExecutorConfig) -> None:
         self.model = model
         self.config = config
-        self.sequential = SequentialExecutor()
+        self.sequential = SequentialExecutor(model)
         self.vectorized = VectorizedExecutor(
             model, config.chunk_size, config.memory_budget, config.device
         )
@@ -46,6 +48,14 @@ class AutoExecutor:
 
     def close(self) -> None:
         self.vectorized.close()
+
+    def evaluate(
+        self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
+    ) -> list[EvalCounts]:
+        chosen = (
+            self.sequential if (self.choice or "").startswith("sequential") else self.vectorized
+        )
+        return chosen.evaluate(models, datas, batch_size)
 
     def _candidates(self) -> list[tuple[str, int]]:
         cores = os.cpu_count() or 1

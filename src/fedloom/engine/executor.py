@@ -10,7 +10,10 @@ import torch
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.config import ExecutorConfig
 from fedloom.data.federated import ClientData
+from fedloom.engine.evaluation import evaluate_each
 from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.metrics import EvalCounts
+from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 
 
@@ -36,14 +39,29 @@ class Executor(Protocol):
         states: list[State | None],
     ) -> list[ClientResult]: ...
 
+    def evaluate(
+        self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
+    ) -> list[EvalCounts]:
+        """Each (params, buffers) model on its client's held-out data."""
+        ...
+
 
 class SequentialExecutor:
     """The reference: one client after another in this process."""
 
     name = "sequential"
 
+    def __init__(self, model: FunctionalModel | None = None) -> None:
+        self.model = model
+
     def prepare(self, clients: list[ClientData]) -> None:
         pass
+
+    def evaluate(
+        self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
+    ) -> list[EvalCounts]:
+        assert self.model is not None, "SequentialExecutor(model) is needed to evaluate"
+        return evaluate_each(self.model, models, datas, batch_size)
 
     def close(self) -> None:
         pass
@@ -67,7 +85,7 @@ def make_executor(config: ExecutorConfig, model: FunctionalModel) -> Executor:
             raise ConfigError(
                 "executor.device: the sequential executor runs on the CPU; use vectorized"
             )
-        return SequentialExecutor()
+        return SequentialExecutor(model)
     if config.kind == "vectorized":
         from fedloom.engine.vectorized import VectorizedExecutor
 

@@ -153,7 +153,8 @@ class Engine:
         for key, ids in groups.items():
             if not ids:
                 continue
-            counts = []
+            counts: list[EvalCounts | None] = []
+            pending: list[tuple[int, tuple[pytree.Tree, pytree.Tree]]] = []
             for cid in ids:
                 data = self.data.clients[cid]
                 state = states.get(cid) if cid in states else None
@@ -166,10 +167,20 @@ class Engine:
                 if global_model is not None and params is global_model[0]:
                     counts.append(global_counts[cid])  # deploys the global model: evaluated
                 else:
-                    counts.append(self._counts(params, buffers, data))
-            row[key] = client_quantiles(counts, classification)
+                    counts.append(None)
+                    pending.append((len(counts) - 1, (params, buffers)))
+            if pending:
+                evaluated = self.executor.evaluate(
+                    [m for _, m in pending],
+                    [self.data.clients[ids[i]] for i, _ in pending],
+                    self.config.eval.batch_size,
+                )
+                for (i, _), c in zip(pending, evaluated, strict=True):
+                    counts[i] = c
+            done = [c for c in counts if c is not None]
+            row[key] = client_quantiles(done, classification)
             if key == "personalized" and classification:
-                row["client_accuracy"] = [c.accuracy if c.n else None for c in counts]
+                row["client_accuracy"] = [c.accuracy if c.n else None for c in done]
         return row, deployed
 
     # -- the loop -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,10 @@ import torch
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.config import ExecutorConfig
 from fedloom.data.federated import ClientData
+from fedloom.engine.evaluation import evaluate_each
 from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.metrics import EvalCounts
+from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 
 MIN_OBJECT_STORE = 256 * 1024**2
@@ -32,6 +35,29 @@ CONNECT_TIMEOUT_S = 5.0
 """How long the GCS port of ``executor.address`` may take to accept a TCP connection."""
 ACTOR_START_TIMEOUT_S = 120.0
 """How long the workers may take to start (pending for lack of CPUs: an error)."""
+
+
+def compact(obj: Any) -> Any:
+    """``obj`` with every tensor that views a larger storage replaced by a copy of just its
+    elements (recursing into dicts, lists and tuples). Pickling a view writes its whole
+    storage: a client's data slice of the full dataset, a batch of a permutation, a client's
+    row of a stacked chunk would each travel at full size."""
+    if isinstance(obj, torch.Tensor):
+        if obj.untyped_storage().nbytes() <= obj.numel() * obj.element_size():
+            return obj
+        copy = obj.detach().clone(memory_format=torch.contiguous_format)
+        return copy.requires_grad_(obj.requires_grad) if obj.is_floating_point() else copy
+    if isinstance(obj, dict):
+        return {k: compact(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [compact(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(compact(v) for v in obj)
+    return obj
+
+
+def compact_client(c: ClientData) -> ClientData:
+    return ClientData(compact(c.x_train), compact(c.y_train), compact(c.x_test), compact(c.y_test))
 
 
 @dataclass(frozen=True)
@@ -87,7 +113,7 @@ class RayWorker:
                     algorithm.ctx.model, self.chunk_size, self.memory_budget, "cpu"
                 )
             else:
-                self._inner = SequentialExecutor()
+                self._inner = SequentialExecutor(algorithm.ctx.model)
             self._algorithm, self._algorithm_key = algorithm, ref.hex()
         assert self._algorithm is not None
         return self._algorithm, self._inner
@@ -105,7 +131,10 @@ class RayWorker:
             ClientTask(t.client_id, self.clients[t.data_index], t.plan, t.lr, t.round)
             for t in tasks
         ]
-        return self.node_id, inner.run_round(algorithm, message, full, states)
+        results = inner.run_round(algorithm, message, full, states)
+        return self.node_id, [
+            replace(r, upload=compact(r.upload), state=compact(r.state)) for r in results
+        ]
 
 
 def balanced_groups(weights: list[int], groups: int) -> list[range]:
@@ -248,7 +277,7 @@ class RayExecutor:
                 f"has {cluster_cpus}; lower executor.workers or add nodes"
             )
         self._data_index = {id(c): i for i, c in enumerate(clients)}
-        self._data_ref = ray.put(clients)
+        self._data_ref = ray.put([compact_client(c) for c in clients])
         remote = ray.remote(num_cpus=1)(RayWorker)
         self.actors = [
             remote.remote(
@@ -283,6 +312,14 @@ class RayExecutor:
             ray.shutdown()
             self.started_ray = False
 
+    def evaluate(
+        self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
+    ) -> list[EvalCounts]:
+        """Each model on its client's held-out data, here on the driver (as the sequential
+        executor does): the deployed models live here, and a forward pass is cheap next to
+        the local training the workers do."""
+        return evaluate_each(self.model, models, datas, batch_size)
+
     # -- the round ------------------------------------------------------------------------
     def run_round(
         self,
@@ -299,7 +336,7 @@ class RayExecutor:
             raise RuntimeError("RayExecutor.run_round called before prepare()")
         if algorithm is not self._algorithm:
             self._algorithm, self._algorithm_ref = algorithm, ray.put(algorithm)
-        message_ref = ray.put(message)
+        message_ref = ray.put(compact(message))
         self.message_puts += 1
         light = []
         for t in tasks:
@@ -308,14 +345,14 @@ class RayExecutor:
                 raise RuntimeError(
                     f"client {t.client_id}'s data was not given to RayExecutor.prepare()"
                 )
-            light.append(LightTask(index, t.client_id, t.plan, t.lr, t.round))
+            light.append(LightTask(index, t.client_id, compact(t.plan), t.lr, t.round))
         groups = balanced_groups([max(1, len(t.plan)) for t in tasks], len(self.actors))
         futures = [
             actor.run.remote(
                 [self._algorithm_ref],
                 message_ref,
                 [light[i] for i in group],
-                [states[i] for i in group],
+                [compact(states[i]) for i in group],
             )
             for actor, group in zip(self.actors, groups, strict=False)
         ]

@@ -19,6 +19,7 @@ from torch.func import grad_and_value, vmap
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.data.federated import ClientData
+from fedloom.engine.evaluation import evaluate_stacked
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import LocalSolution
 from fedloom.engine.memory import (
@@ -28,6 +29,7 @@ from fedloom.engine.memory import (
     keep_large_blocks_in_heap,
     parse_bytes,
 )
+from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.pytree import Tree
 
 
@@ -73,10 +75,21 @@ class VectorizedExecutor:
     def prepare(self, clients: list[ClientData]) -> None:
         """Concatenate every client's training data once into one arena, so that a step's
         minibatches for a whole chunk are a single gather."""
-        self._arena = Arena(clients)
+        self._arena = Arena(clients, self.device)
 
     def close(self) -> None:
         pass
+
+    def evaluate(
+        self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
+    ) -> list[EvalCounts]:
+        if self._act_bytes is None:
+            self._act_bytes = activation_bytes_per_sample(self.model.module, datas[0].x_test[0])
+        footprint = 2 * self._param_bytes + 2 * self._act_bytes * batch_size
+        size = choose_chunk_size(
+            footprint, self._param_bytes, self.budget, len(models), None, self._heap_tuned
+        )
+        return evaluate_stacked(self.model, models, datas, batch_size, size, self.device)
 
     # -- chunking -------------------------------------------------------------------------
     def chunk_size(self, tasks: list[ClientTask], max_batch: int) -> int:
@@ -155,6 +168,7 @@ class VectorizedExecutor:
                 sub = members if len(members) < num else None
                 rows = index[s] if sub is None else index[s, sub]
                 rows = rows[:, :width]
+                rows = rows.to(dev)
                 xb = x_all[rows.reshape(-1)].view(*rows.shape, *x_all.shape[1:]).to(dev)
                 yb = y_all[rows.reshape(-1)].view(*rows.shape, *y_all.shape[1:]).to(dev)
                 wb = (weight[s] if sub is None else weight[s, sub])[:, :width].to(dev)
@@ -239,7 +253,7 @@ def _index_state(state: Any, rows: list[int]) -> Any:
 class Arena:
     """Every client's training samples concatenated once; a client is an offset into it."""
 
-    def __init__(self, clients: list[ClientData]) -> None:
+    def __init__(self, clients: list[ClientData], device: torch.device | None = None) -> None:
         self.offsets: dict[int, int] = {}
         xs, ys, offset = [], [], 0
         for data in clients:
@@ -249,8 +263,8 @@ class Arena:
             xs.append(data.x_train)
             ys.append(data.y_train)
             offset += data.num_train
-        self.x = torch.cat(xs) if xs else torch.empty(0)
-        self.y = torch.cat(ys) if ys else torch.empty(0)
+        self.x = (torch.cat(xs) if xs else torch.empty(0)).to(device or "cpu")
+        self.y = (torch.cat(ys) if ys else torch.empty(0)).to(device or "cpu")
 
     def holds(self, clients: list[ClientData]) -> bool:
         return all(id(d) in self.offsets for d in clients)

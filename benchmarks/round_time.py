@@ -1,0 +1,544 @@
+"""Seconds per FedAvg round: fedloom's executors against a reference written the way common FL
+libraries write it (``reference.py``), all measured in one process and reported as ratios.
+
+Usage: ``python benchmarks/round_time.py [--workloads W1,W2,W3] [--repeats N] [--quick]``.
+The last line of stdout is one JSON object keyed by workload; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from reference import fedavg_round
+from torch import nn
+
+from fedloom.config import parse_config
+from fedloom.data.federated import FederatedData, from_arrays
+from fedloom.engine.loop import Engine
+from fedloom.models import build_model
+
+SEED = 0
+INPUT_SHAPE = (1, 28, 28)
+NUM_CLASSES = 10
+THREAD_COUNTS = (1, 2)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark setting: FedAvg, every client participates, synthetic MNIST-shaped data."""
+
+    name: str
+    model: str
+    clients: int
+    samples: int
+    batch_size: int
+    epochs: int = 1
+    lr: float = 0.05
+    test_samples: int = 100
+    repeats: int = 5
+    warmup_clients: int | None = None
+    """Clients in the untimed warm-up round (None: all of them)."""
+    note: str = ""
+
+
+WORKLOADS: dict[str, Workload] = {
+    "W1": Workload("W1", "mlp", 100, 600, 32, test_samples=100),
+    "W2": Workload("W2", "cnn", 100, 600, 32, test_samples=100, repeats=1, warmup_clients=4),
+    "W3": Workload("W3", "logreg", 1000, 60, 10, test_samples=10),
+}
+
+TARGETS: dict[str, dict[str, float]] = {
+    "W1": {"reference/auto": 2.5, "reference/sequential": 1.4},
+    "W2": {"reference/auto": 1.2},
+    "W3": {"reference/auto": 15.0, "reference/sequential": 3.0},
+}
+"""Speed-up targets of the issue: reference seconds over fedloom seconds, same run."""
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr so that stdout ends with the JSON line."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (None: all cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- data -------------------------------------------------------------------------------------
+@dataclass
+class BenchData:
+    """A workload's data both as fedloom's FederatedData and as plain per-client tensors."""
+
+    workload: Workload
+    fed: FederatedData
+    train: list[tuple[torch.Tensor, torch.Tensor]]
+    probe: tuple[torch.Tensor, torch.Tensor]
+    """Pooled training samples of the first clients, for the sanity check's loss."""
+
+
+def make_data(wl: Workload, seed: int = SEED) -> BenchData:
+    """Random float32 images in [0, 1) with labels from a fixed random linear teacher (so that
+    one round of training visibly lowers the loss, which the sanity check relies on)."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = math.prod(INPUT_SHAPE)
+    teacher = torch.randn(dim, NUM_CLASSES, generator=gen)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.rand(n, *INPUT_SHAPE, generator=gen)
+        y = ((x.reshape(n, -1) - 0.5) @ teacher).argmax(dim=1)
+        return x, y
+
+    train = [draw(wl.samples) for _ in range(wl.clients)]
+    test = [draw(wl.test_samples) for _ in range(wl.clients)]
+    fed = from_arrays(train=train, test=test, name=f"synthetic-{wl.name}")
+    pooled = train[: max(1, 3000 // wl.samples)]
+    probe = (torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled]))
+    return BenchData(wl, fed, train, probe)
+
+
+# -- contenders ---------------------------------------------------------------------------------
+class Contender:
+    """Something that runs one FedAvg round; ``round`` returns its wall seconds."""
+
+    label: str
+    threads: int | None
+
+    def warmup(self) -> float:
+        raise NotImplementedError
+
+    def round(self) -> float:
+        raise NotImplementedError
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.label
+
+
+class ReferenceContender(Contender):
+    """The reference round of ``reference.py`` at a fixed intra-op thread count."""
+
+    def __init__(self, data: BenchData, init: dict[str, torch.Tensor], n_threads: int) -> None:
+        self.data = data
+        self.threads = n_threads
+        self.label = f"reference/threads={n_threads}"
+        wl = data.workload
+        self.model = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
+        self.model.load_state_dict(init)
+        self.rounds = 0
+
+    def _round(self, model: nn.Module, clients: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        wl = self.data.workload
+        with threads(self.threads):
+            start = time.perf_counter()
+            fedavg_round(model, clients, wl.lr, wl.batch_size, wl.epochs, SEED + self.rounds)
+            return time.perf_counter() - start
+
+    def warmup(self) -> float:
+        k = self.data.workload.warmup_clients
+        return self._round(copy.deepcopy(self.model), self.data.train[:k])
+
+    def round(self) -> float:
+        self.rounds += 1
+        return self._round(self.model, self.data.train)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+
+class EngineContender(Contender):
+    """fedloom's Engine with one executor kind; times ``engine._one_round`` (sampling, plans,
+    client work, aggregation; no evaluation)."""
+
+    def __init__(
+        self, data: BenchData, kind: str, n_threads: int | None, chunk_size: int | None = None
+    ) -> None:
+        wl = data.workload
+        self.data = data
+        self.kind = kind
+        self.threads = n_threads
+        self.label = f"{kind}/threads={n_threads or 'all'}"
+        cfg = parse_config(
+            {
+                "seed": SEED,
+                "model": {"name": wl.model},
+                "algorithm": {"name": "fedavg"},
+                "train": {
+                    "rounds": 1,
+                    "local_epochs": wl.epochs,
+                    "batch_size": wl.batch_size,
+                    "lr": wl.lr,
+                },
+                "eval": {"every": 1},
+                "checkpoint": {"every": None},
+                "executor": {"kind": kind, "threads": n_threads, "chunk_size": chunk_size},
+            }
+        )
+        module = build_model(wl.model, data.fed.input_shape, data.fed.num_outputs)
+        self.engine = Engine(cfg, data.fed, module)
+        with threads(n_threads):
+            self.engine.executor.prepare(data.fed.clients)
+        self.st = self.engine._initial()
+        self.rounds = 0
+
+    def warmup(self) -> float:
+        """An untimed round (on ``warmup_clients`` clients) that leaves the state unchanged."""
+        engine, k = self.engine, self.data.workload.warmup_clients
+        with threads(self.threads):
+            start = time.perf_counter()
+            if k is None:
+                engine._one_round(0, self.st["server"], self.st["clients"], dict(self.st))
+            else:
+                ids = engine.train_ids[:k]
+                tasks = engine.tasks_for_round(0, ids)
+                states = [engine.algorithm.init_client_state(self.st["server"], c) for c in ids]
+                message = engine.algorithm.server_message(self.st["server"])
+                engine.executor.run_round(engine.algorithm, message, tasks, states)
+            return time.perf_counter() - start
+
+    def round(self) -> float:
+        self.rounds += 1
+        with threads(self.threads):
+            start = time.perf_counter()
+            server, states, st = self.engine._one_round(
+                self.rounds, self.st["server"], self.st["clients"], self.st
+            )
+            elapsed = time.perf_counter() - start
+        self.st = {**st, "server": server, "clients": states}
+        return elapsed
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        model = self.engine.algorithm.global_model(self.st["server"])
+        assert model is not None
+        return {**model[0], **model[1]}
+
+    def describe(self) -> str:
+        executor = self.engine.executor
+        choice = getattr(executor, "choice", None)
+        text = str(choice) if choice else self.label
+        chunk = getattr(getattr(executor, "vectorized", executor), "last_chunk_size", None)
+        if chunk and "vectorized" in text:
+            text += f"/chunk={chunk}"
+        return text
+
+    def evaluate(self) -> float:
+        """Seconds to evaluate every client once (global and deployed models)."""
+        with threads(self.threads):
+            start = time.perf_counter()
+            self.engine.evaluate(self.st["server"], self.st["clients"], self.rounds)
+            return time.perf_counter() - start
+
+
+# -- FLOPs and peak -------------------------------------------------------------------------------
+def macs_per_sample(module: nn.Module, sample: torch.Tensor) -> int:
+    """Multiply-accumulates of the linear and convolution layers for one sample's forward."""
+    total = 0
+
+    def hook(m: nn.Module, _inp: object, out: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(m, nn.Linear):
+            total += out.numel() * m.in_features
+        elif isinstance(m, nn.modules.conv._ConvNd):
+            total += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
+
+    handles = [m.register_forward_hook(hook) for m in module.modules()]
+    try:
+        with torch.no_grad():
+            module(sample.unsqueeze(0))
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def round_flops(wl: Workload) -> float:
+    """FLOPs of one round: ~6 x MACs per sample (forward 2, backward 4) x samples x epochs."""
+    module = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
+    macs = macs_per_sample(module, torch.zeros(INPUT_SHAPE))
+    return 6.0 * macs * wl.clients * wl.samples * wl.epochs
+
+
+def matmul_peak(size: int = 2048, repeats: int = 7) -> float:
+    """Median float32 ``torch.mm`` FLOP/s of size x size matrices on all cores."""
+    gen = torch.Generator().manual_seed(SEED)
+    a = torch.randn(size, size, generator=gen)
+    b = torch.randn(size, size, generator=gen)
+    out = torch.empty(size, size)
+    times = []
+    with threads(None):
+        torch.mm(a, b, out=out)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            times.append(time.perf_counter() - start)
+    return 2.0 * size**3 / statistics.median(times)
+
+
+# -- the measurement ------------------------------------------------------------------------
+def probe_loss(wl: Workload, state: dict[str, torch.Tensor], probe: tuple[Any, Any]) -> float:
+    module = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
+    module.load_state_dict(state)
+    module.eval()
+    with torch.no_grad():
+        return float(F.cross_entropy(module(probe[0]), probe[1]))
+
+
+def best_of(results: dict[str, list[float]], prefix: str) -> tuple[str, float] | None:
+    """The fastest contender (by median) whose label starts with ``prefix``."""
+    found = [(k, statistics.median(v)) for k, v in results.items() if k.startswith(prefix) and v]
+    return min(found, key=lambda kv: kv[1]) if found else None
+
+
+def measure_workload(
+    wl: Workload, peak: float, repeats: int | None = None, eval_too: bool = True
+) -> dict[str, Any]:
+    """Time every contender on ``wl`` (warm-up, then repeats interleaved across contenders so
+    that background load hits all of them alike) and return the workload's JSON entry."""
+    repeats = repeats or wl.repeats
+    log(f"[{wl.name}] {wl.clients} clients x {wl.samples} samples, model {wl.model}")
+    data = make_data(wl)
+    contenders: list[Contender] = []
+    for kind in ("sequential", "vectorized"):
+        contenders += [EngineContender(data, kind, t) for t in THREAD_COUNTS]
+    init = contenders[0].global_state()
+    contenders += [ReferenceContender(data, init, t) for t in THREAD_COUNTS]
+    auto_error = None
+    try:
+        contenders.append(EngineContender(data, "auto", None))
+    except Exception as err:  # no auto executor in this checkout: fall back, say so
+        auto_error = f"{type(err).__name__}: {err}"
+        log(f"[{wl.name}] executor.kind auto unavailable ({auto_error}); falling back")
+
+    warm: dict[str, float] = {}
+    for c in contenders:
+        warm[c.label] = c.warmup()
+        log(f"[{wl.name}] warm-up {c.label}: {warm[c.label]:.3f} s")
+    times: dict[str, list[float]] = {c.label: [] for c in contenders}
+    after_first: dict[str, float] = {}
+    for r in range(repeats):
+        for c in contenders:
+            times[c.label].append(c.round())
+            log(f"[{wl.name}] round {r + 1}/{repeats} {c.label}: {times[c.label][-1]:.3f} s")
+            if r == 0:
+                after_first[c.label] = probe_loss(wl, c.global_state(), data.probe)
+
+    # sanity: every contender trained, and fedloom's loss after round 1 is close to the reference's
+    initial = probe_loss(wl, init, data.probe)
+    ref_loss = statistics.mean(v for k, v in after_first.items() if k.startswith("reference"))
+    tolerance = 0.15 * max(initial - ref_loss, 0.0) + 0.05
+    sane = all(v < initial and abs(v - ref_loss) <= tolerance for v in after_first.values())
+    sanity = {
+        "initial_loss": round(initial, 4),
+        "loss_after_round_1": {k: round(v, 4) for k, v in after_first.items()},
+        "ok": sane,
+    }
+    seq_vec = max_abs_diff(contenders[0].global_state(), contenders[2].global_state())
+
+    ref = best_of(times, "reference")
+    seq = best_of(times, "sequential")
+    vec = best_of(times, "vectorized")
+    assert ref and seq and vec
+    auto_c = next((c for c in contenders if c.label.startswith("auto")), None)
+    if auto_c is not None:
+        best_s = statistics.median(times[auto_c.label])
+        best_config = f"auto -> {auto_c.describe()}"
+    else:
+        label, best_s = min((seq, vec), key=lambda kv: kv[1])
+        best_config = f"FALLBACK (no auto executor): best measured = {label}"
+    flops = round_flops(wl)
+    achieved = flops / best_s
+    entry: dict[str, Any] = {
+        "reference_s": ref[1],
+        "sequential_s": seq[1],
+        "vectorized_s": vec[1],
+        "best_s": best_s,
+        "best_config": best_config,
+        "peak_fraction": achieved / peak,
+        "reference_threads": int(ref[0].split("=")[1]),
+        "sequential_threads": int(seq[0].split("=")[1]),
+        "vectorized_threads": int(vec[0].split("=")[1]),
+        "vectorized_chunk": next((c.describe() for c in contenders if c.label == vec[0]), vec[0]),
+        "ratio_reference_over_best": ref[1] / best_s,
+        "ratio_reference_over_sequential": ref[1] / seq[1],
+        "ratio_reference_over_vectorized": ref[1] / vec[1],
+        "round_gflop": flops / 1e9,
+        "achieved_gflops": achieved / 1e9,
+        "peak_gflops": peak / 1e9,
+        "repeats": repeats,
+        "clients": wl.clients,
+        "samples_per_client": wl.samples,
+        "all_medians_s": {k: statistics.median(v) for k, v in times.items()},
+        "warmup_s": warm,
+        "sanity": sanity,
+        "sequential_vs_vectorized_max_abs_diff": seq_vec,
+    }
+    if auto_error:
+        entry["auto_error"] = auto_error
+    if wl.note:
+        entry["note"] = wl.note
+    entry["targets"] = {
+        name: {"target": t, "ratio": entry[_ratio_key(name)], "met": entry[_ratio_key(name)] >= t}
+        for name, t in TARGETS.get(wl.name, {}).items()
+    }
+    if eval_too:
+        entry["evaluation"] = measure_evaluation(contenders)
+    return entry
+
+
+def _ratio_key(target: str) -> str:
+    if target.endswith("auto"):
+        return "ratio_reference_over_best"
+    return "ratio_reference_over_sequential"
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def measure_evaluation(contenders: list[Contender]) -> dict[str, Any]:
+    """Time ``Engine.evaluate`` of every client for the sequential and vectorized executors
+    (on all cores). Timed once when neither executor has its own evaluation code."""
+    engines = {
+        c.kind: c
+        for c in contenders
+        if isinstance(c, EngineContender) and c.kind in ("sequential", "vectorized")
+    }
+    own = {k: hasattr(c.engine.executor, "evaluate") for k, c in engines.items()}
+    out: dict[str, Any] = {}
+    if not any(own.values()):
+        c = engines["sequential"]
+        saved, c.threads = c.threads, None
+        try:
+            out["eval_s"] = min(c.evaluate() for _ in range(2))
+        finally:
+            c.threads = saved
+        out["note"] = "shared code path: Engine.evaluate does not use the executor"
+        return out
+    for kind, c in engines.items():
+        saved, c.threads = c.threads, None
+        try:
+            out[f"{kind}_eval_s"] = min(c.evaluate() for _ in range(2))
+        finally:
+            c.threads = saved
+    return out
+
+
+# -- reporting ------------------------------------------------------------------------------
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """The human-readable table (rows: workloads)."""
+    head = (
+        f"{'':4} {'reference s':>14} {'sequential s':>14} {'vectorized s':>14} "
+        f"{'auto/best s':>12} {'ref/best':>9} {'ref/seq':>8} {'GFLOP/s':>8} {'peak':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, e in results.items():
+        lines.append(
+            f"{name:4} "
+            f"{e['reference_s']:>9.3f} (t{e['reference_threads']}) "
+            f"{e['sequential_s']:>9.3f} (t{e['sequential_threads']}) "
+            f"{e['vectorized_s']:>9.3f} (t{e['vectorized_threads']}) "
+            f"{e['best_s']:>12.3f} {e['ratio_reference_over_best']:>8.2f}x "
+            f"{e['ratio_reference_over_sequential']:>7.2f}x "
+            f"{e['achieved_gflops']:>8.1f} {e['peak_fraction']:>6.1%}"
+        )
+    lines.append("")
+    for name, e in results.items():
+        lines.append(f"{name} auto/best config: {e['best_config']}")
+    lines.append("")
+    lines.append("Targets (reference seconds / fedloom seconds, same run):")
+    for name, e in results.items():
+        for target, t in e["targets"].items():
+            mark = "met" if t["met"] else "NOT MET"
+            lines.append(
+                f"  {name} {target:22} >= {t['target']:>5.1f}x: {t['ratio']:6.2f}x  {mark}"
+            )
+    lines.append("")
+    lines.append("Evaluation of every client (global + personalized), all cores:")
+    for name, e in results.items():
+        ev = e.get("evaluation")
+        if ev:
+            parts = ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"({v})" for k, v in ev.items()
+            )
+            lines.append(f"  {name}: {parts}")
+    lines.append("")
+    lines.append("Sanity (probe loss after round 1 from the same initial model):")
+    for name, e in results.items():
+        s = e["sanity"]
+        losses = ", ".join(f"{k} {v:.3f}" for k, v in s["loss_after_round_1"].items())
+        lines.append(
+            f"  {name}: {'ok' if s['ok'] else 'CHECK FAILED'}; initial {s['initial_loss']:.3f};"
+            f" {losses}; |seq - vec| max {e['sequential_vs_vectorized_max_abs_diff']:.2e}"
+        )
+    return "\n".join(lines)
+
+
+def run(
+    workloads: list[Workload],
+    repeats: int | None = None,
+    eval_too: bool = True,
+    peak_size: int = 2048,
+    on_result: Callable[[str, dict[str, Any]], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Measure the matmul peak and every workload; return {workload: entry}."""
+    peak = matmul_peak(peak_size)
+    log(f"float32 matmul peak ({peak_size}^2, all cores): {peak / 1e9:.1f} GFLOP/s")
+    results: dict[str, dict[str, Any]] = {}
+    for wl in workloads:
+        results[wl.name] = measure_workload(wl, peak, repeats, eval_too)
+        if on_result:
+            on_result(wl.name, results[wl.name])
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="W1,W2,W3")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (W1/W3: 5)")
+    parser.add_argument("--w2-repeats", type=int, default=None, help="timed W2 rounds (1)")
+    parser.add_argument("--w2-clients", type=int, default=None, help="reduce W2 (default 100)")
+    parser.add_argument("--quick", action="store_true", help="W2 with 10 clients, 2 repeats")
+    args = parser.parse_args(argv)
+    chosen: list[Workload] = []
+    for name in args.workloads.split(","):
+        wl = WORKLOADS[name.strip().upper()]
+        repeats = args.repeats or (2 if args.quick else wl.repeats)
+        if wl.name == "W2":
+            repeats = args.w2_repeats or (1 if args.quick else wl.repeats)
+            clients = args.w2_clients or (10 if args.quick else None)
+            if clients:
+                wl = replace(wl, clients=clients, note=f"REDUCED W2: {clients} clients (not 100)")
+        chosen.append(replace(wl, repeats=repeats))
+    for wl in chosen:
+        if wl.note:
+            print(f"NOTE {wl.name}: {wl.note}")
+    log(f"torch {torch.__version__}, {os.cpu_count()} cores")
+    results = run(chosen)
+    print(format_table(results))
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The automatic chunk size keeps a chunk's measured peak memory within executor.memory_budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fedloom.engine.memory import choose_chunk_size, client_footprint, parse_bytes
+from fedloom.errors import ConfigError
+
+PROBE = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from fedloom.config import parse_config
+    from fedloom.data.federated import from_arrays
+    from fedloom.engine.loop import Engine
+    from fedloom.models import build_model
+
+    budget = sys.argv[1]
+    g = torch.Generator().manual_seed(0)
+    data = from_arrays(
+        [(torch.rand(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), generator=g))
+         for _ in range(64)],
+        [(torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,))) for _ in range(64)],
+    )
+    cfg = parse_config({"model": {"name": "mlp"}, "train": {"local_epochs": 1, "batch_size": 64},
+                        "executor": {"kind": "vectorized", "memory_budget": budget, "threads": 1}})
+    torch.set_num_threads(1)
+    engine = Engine(cfg, data, build_model("mlp", data.input_shape, data.num_outputs))
+    ex = engine.executor
+    ex.prepare(data.clients)
+    st = engine._initial()
+    tasks = engine.tasks_for_round(1, list(range(64)))
+    message = engine.algorithm.server_message(st["server"])
+    plans = [engine.algorithm.client_plan(t) for t in tasks]
+    size = ex.chunk_size(tasks, 64)
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # one client first: torch.func's first call allocates ~70-100 MB once per process
+    ex.solve_chunk(engine.algorithm, message, tasks[:1], [None], plans[:1])
+    before = rss()
+    ex.solve_chunk(engine.algorithm, message, tasks[:size], [None] * size, plans[:size])
+    print(json.dumps({"chunk": size, "peak_bytes": rss() - before, "budget": ex.budget}))
+    """
+)
+
+
+def _probe(budget: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, budget], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("budget", ["48MB", "96MB"])
+def test_chunk_peak_memory_stays_within_budget(budget):
+    measured = _probe(budget)
+    assert measured["chunk"] > 1  # the budget, not the client count, sets the chunk
+    assert measured["chunk"] < 64
+    assert 0 < measured["peak_bytes"] <= measured["budget"], measured
+
+
+def test_chunk_size_grows_with_the_budget():
+    footprint = client_footprint(param_bytes=800_000, activation_bytes=4_800, batch_size=32)
+    small = choose_chunk_size(footprint, 800_000, parse_bytes("50MB"), 1000, None)
+    large = choose_chunk_size(footprint, 800_000, parse_bytes("500MB"), 1000, None)
+    assert 1 <= small < large <= 1000
+    assert choose_chunk_size(footprint, 800_000, parse_bytes("50MB"), 1000, 7) == 7
+    # without a tuned heap, one stacked parameter tensor stays under glibc's mmap threshold
+    capped = choose_chunk_size(
+        footprint, 800_000, parse_bytes("50GB"), 1000, None, heap_tuned=False
+    )
+    assert capped * 800_000 <= 32 * 2**20
+
+
+def test_memory_budget_parsing():
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes(1000) == 1000
+    with pytest.raises(ConfigError, match="memory_budget"):
+        parse_bytes("lots")
