@@ -94,7 +94,7 @@ class CheckpointConfig(StrictModel):
 
 
 class ExecutorConfig(StrictModel):
-    kind: Literal["auto", "sequential", "vectorized", "ray"] = "sequential"
+    kind: Literal["auto", "sequential", "vectorized", "ray"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
     workers: int | None = Field(default=None, ge=1)
     threads: int | None = Field(default=None, ge=1)

@@ -67,5 +67,6 @@ def run(data: FederatedData, algorithm: dict, rounds: int, lr: float, **train) -
         "algorithm": algorithm,
         "train": {"rounds": rounds, "lr": lr, "batch_size": None, **train},
         "eval": {"every": rounds},
+        "executor": {"kind": "sequential"},  # bitwise comparisons between runs
     }
     return fedloom.run(config, data=data, write=False, progress=False)

@@ -31,6 +31,7 @@ CONFIG = {
     },
     "eval": {"every": 2},
     "checkpoint": {"every": 2},
+    "executor": {"kind": "sequential"},
 }
 
 

@@ -77,6 +77,7 @@ def test_local_training_resumes_with_mmap_state(tmp_path):
         "eval": {"every": 2},
         "checkpoint": {"every": 2},
         "state": {"storage": "mmap"},
+        "executor": {"kind": "sequential"},
     }
     full = fedloom.run(config, out=tmp_path / "full", progress=False)
     assert (tmp_path / "full" / "state").is_dir()

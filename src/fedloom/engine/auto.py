@@ -1,5 +1,6 @@
-"""``executor.kind: auto``: pick the sequential (lean) or the vectorized executor, and the
-thread count, for this model and data by timing a few local steps of each on the first round.
+"""``executor.kind: auto``: pick the sequential (lean) executor, the vectorized executor, or
+sequential in one worker process per core, and the thread count, for this model and data by
+timing a few local steps of each on the first round.
 
 Tiny models win big from vmap (thousands of clients per call); large convolutional models do
 not (grouped convolutions under vmap are slower than one client at a time), and in between it
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -22,11 +24,12 @@ from fedloom.data.federated import ClientData
 from fedloom.engine.executor import SequentialExecutor
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.metrics import EvalCounts
+from fedloom.engine.processes import MultiprocessExecutor
 from fedloom.engine.pytree import Tree
 from fedloom.engine.vectorized import VectorizedExecutor
 
-PROBE_STEPS = 3
-PROBE_CLIENTS = 16
+PROBE_STEPS = 2
+PROBE_CLIENTS = 8
 
 
 class AutoExecutor:
@@ -39,15 +42,32 @@ class AutoExecutor:
         self.vectorized = VectorizedExecutor(
             model, config.chunk_size, config.memory_budget, config.device
         )
+        cores = os.cpu_count() or 1
+        self.processes: MultiprocessExecutor | None = None
+        if cores > 1 and config.device == "cpu":
+            workers = config.workers or cores
+            self.processes = MultiprocessExecutor(SequentialExecutor(model), workers, 1)
         self.choice: str | None = None
-        """'sequential/threads=T' or 'vectorized/threads=T' once decided."""
+        """'sequential/threads=T', 'vectorized/threads=T' or 'processes=N/threads=1'."""
         self.timings: dict[str, float] = {}
 
     def prepare(self, clients: list[ClientData]) -> None:
         self.vectorized.prepare(clients)
+        if self.processes is not None:
+            self.processes.prepare(clients)
 
     def close(self) -> None:
         self.vectorized.close()
+        if self.processes is not None:
+            self.processes.close()
+
+    def _executor(self, kind: str) -> Any:
+        if kind == "sequential":
+            return self.sequential
+        if kind == "vectorized":
+            return self.vectorized
+        assert self.processes is not None
+        return self.processes
 
     def evaluate(
         self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
@@ -58,10 +78,17 @@ class AutoExecutor:
         return chosen.evaluate(models, datas, batch_size)
 
     def _candidates(self) -> list[tuple[str, int]]:
+        """One thread per process by default (small per-client operations do not speed up
+        with more and collapse when the cores are shared); the vectorized executor's large
+        batched operations also get all cores; and one 1-thread worker process per core."""
         cores = os.cpu_count() or 1
-        threads = [self.config.threads] if self.config.threads else sorted({1, cores})
-        kinds = ["vectorized"] if self.config.device == "cuda" else ["sequential", "vectorized"]
-        return [(k, t) for k in kinds for t in threads]
+        threads = [self.config.threads] if self.config.threads else [1]
+        candidates = [("vectorized", t) for t in sorted({*threads, self.config.threads or cores})]
+        if self.config.device != "cuda":
+            candidates = [("sequential", t) for t in threads] + candidates
+        if self.processes is not None:
+            candidates.append((f"processes={self.processes.workers}", 1))
+        return candidates
 
     def _probe(
         self,
@@ -82,7 +109,7 @@ class AutoExecutor:
         try:
             for kind, threads in self._candidates():
                 torch.set_num_threads(threads)
-                executor = self.sequential if kind == "sequential" else self.vectorized
+                executor = self._executor(kind)
                 best = float("inf")
                 for _ in range(2):  # the first call also warms up
                     start = time.perf_counter()
@@ -105,8 +132,10 @@ class AutoExecutor:
             return []
         if self.choice is None:
             self.choice = self._probe(algorithm, message, tasks, states)
+            if self.processes is not None and not self.choice.startswith("processes"):
+                self.processes.close()  # not chosen: release the worker processes
         kind, threads = self.choice.split("/threads=")
-        executor = self.sequential if kind == "sequential" else self.vectorized
+        executor = self._executor(kind)
         before = torch.get_num_threads()
         torch.set_num_threads(int(threads))
         try:

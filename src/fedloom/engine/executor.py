@@ -77,19 +77,9 @@ class SequentialExecutor:
 
 
 def make_executor(config: ExecutorConfig, model: FunctionalModel) -> Executor:
-    """The executor that ``executor.kind`` names."""
+    """The executor that ``executor.kind`` names (``workers`` > 1: in worker processes)."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("executor.device: 'cuda' was asked for but torch sees no CUDA device")
-    if config.kind == "sequential":
-        if config.device != "cpu":
-            raise ConfigError(
-                "executor.device: the sequential executor runs on the CPU; use vectorized"
-            )
-        return SequentialExecutor(model)
-    if config.kind == "vectorized":
-        from fedloom.engine.vectorized import VectorizedExecutor
-
-        return VectorizedExecutor(model, config.chunk_size, config.memory_budget, config.device)
     if config.kind == "auto":
         from fedloom.engine.auto import AutoExecutor
 
@@ -98,4 +88,23 @@ def make_executor(config: ExecutorConfig, model: FunctionalModel) -> Executor:
         from fedloom.engine.ray_executor import RayExecutor
 
         return RayExecutor(model, config)
-    raise ConfigError(f"executor.kind: unknown executor '{config.kind}'")
+    inner: Executor
+    if config.kind == "sequential":
+        if config.device != "cpu":
+            raise ConfigError(
+                "executor.device: the sequential executor runs on the CPU; use vectorized"
+            )
+        inner = SequentialExecutor(model)
+    elif config.kind == "vectorized":
+        from fedloom.engine.vectorized import VectorizedExecutor
+
+        inner = VectorizedExecutor(model, config.chunk_size, config.memory_budget, config.device)
+    else:
+        raise ConfigError(f"executor.kind: unknown executor '{config.kind}'")
+    if config.workers and config.workers > 1:
+        if config.device != "cpu":
+            raise ConfigError("executor.workers: worker processes run on the CPU only")
+        from fedloom.engine.processes import MultiprocessExecutor
+
+        return MultiprocessExecutor(inner, config.workers, config.threads or 1)
+    return inner
