@@ -57,9 +57,9 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    "W1": Workload("W1", "mlp", 100, 600, 32, test_samples=100),
+    "W1": Workload("W1", "mlp", 100, 600, 32, test_samples=100, warmup_clients=20),
     "W2": Workload("W2", "cnn", 100, 600, 32, test_samples=100, repeats=1, warmup_clients=4),
-    "W3": Workload("W3", "logreg", 1000, 60, 10, test_samples=10),
+    "W3": Workload("W3", "logreg", 1000, 60, 10, test_samples=10, warmup_clients=200),
 }
 
 TARGETS: dict[str, dict[str, float]] = {
@@ -203,6 +203,7 @@ class EngineContender(Contender):
             self.engine.executor.prepare(data.fed.clients)
         self.st = self.engine._initial()
         self.rounds = 0
+        self.times: list[float] = []
 
     def warmup(self) -> float:
         """An untimed round (on ``warmup_clients`` clients) that leaves the state unchanged."""
@@ -228,7 +229,13 @@ class EngineContender(Contender):
             )
             elapsed = time.perf_counter() - start
         self.st = {**st, "server": server, "clients": states}
+        self.times.append(elapsed)
         return elapsed
+
+    @property
+    def last(self) -> float:
+        """Median of the timed rounds so far."""
+        return statistics.median(self.times) if self.times else math.inf
 
     def global_state(self) -> dict[str, torch.Tensor]:
         model = self.engine.algorithm.global_model(self.st["server"])
@@ -244,8 +251,21 @@ class EngineContender(Contender):
             text += f"/chunk={chunk}"
         return text
 
+    def evaluate_models(self, models: list[tuple[dict[str, torch.Tensor], Any]]) -> float:
+        """Seconds for the executor to evaluate one model per client on its test data."""
+        engine = self.engine
+        batch = engine.config.eval.batch_size
+        with threads(self.threads):
+            start = time.perf_counter()
+            if hasattr(engine.executor, "evaluate"):
+                engine.executor.evaluate(models, engine.data.clients, batch)
+            else:  # older executors: the engine evaluated client by client
+                for (p, b), d in zip(models, engine.data.clients, strict=True):
+                    engine.model.evaluate(p, b, d.x_test, d.y_test, batch)
+            return time.perf_counter() - start
+
     def evaluate(self) -> float:
-        """Seconds to evaluate every client once (global and deployed models)."""
+        """Seconds of ``Engine.evaluate`` of every client (global and deployed models)."""
         with threads(self.threads):
             start = time.perf_counter()
             self.engine.evaluate(self.st["server"], self.st["clients"], self.rounds)
@@ -463,30 +483,34 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def measure_evaluation(contenders: list[Contender]) -> dict[str, Any]:
-    """Time ``Engine.evaluate`` of every client for the sequential and vectorized executors
-    (on all cores). Timed once when neither executor has its own evaluation code."""
-    engines = {
-        c.kind: c
+    """Evaluation of every client, at each executor's fastest training thread count.
+
+    ``global_eval_s``: ``Engine.evaluate`` as FedAvg runs it (the global model on every client;
+    FedAvg deploys the global model, so this path does not touch the executor and is timed
+    once). ``<kind>_personalized_eval_s``: ``executor.evaluate`` of one distinct model per
+    client (perturbed copies of the global model, as a personalized algorithm deploys), the
+    path where executors differ; falls back to a per-client loop where an executor has none.
+    """
+    engines = [
+        c
         for c in contenders
-        if isinstance(c, EngineContender) and c.kind in ("sequential", "vectorized")
+        if isinstance(c, EngineContender) and c.kind in FAMILIES and c.rounds > 0
+    ]
+    fastest = {
+        kind: min((c for c in engines if c.kind == kind), key=lambda c: c.last) for kind in FAMILIES
     }
-    own = {k: hasattr(c.engine.executor, "evaluate") for k, c in engines.items()}
-    out: dict[str, Any] = {}
-    if not any(own.values()):
-        c = engines["sequential"]
-        saved, c.threads = c.threads, None
-        try:
-            out["eval_s"] = min(c.evaluate() for _ in range(2))
-        finally:
-            c.threads = saved
-        out["note"] = "shared code path: Engine.evaluate does not use the executor"
-        return out
-    for kind, c in engines.items():
-        saved, c.threads = c.threads, None
-        try:
-            out[f"{kind}_eval_s"] = min(c.evaluate() for _ in range(2))
-        finally:
-            c.threads = saved
+    out: dict[str, Any] = {"global_eval_s": min(fastest["sequential"].evaluate() for _ in range(2))}
+    c0 = fastest["sequential"]
+    params, buffers = c0.engine.algorithm.global_model(c0.st["server"]) or ({}, {})
+    gen = torch.Generator().manual_seed(SEED)
+    models = [
+        ({k: v + 1e-3 * torch.randn(v.shape, generator=gen) for k, v in params.items()}, buffers)
+        for _ in c0.engine.data.clients
+    ]
+    for kind, c in fastest.items():
+        out[f"{kind}_personalized_eval_s"] = min(c.evaluate_models(models) for _ in range(2))
+        out[f"{kind}_eval_threads"] = c.threads
+    del models
     return out
 
 
@@ -520,12 +544,15 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
                 f"  {name} {target:22} >= {t['target']:>5.1f}x: {t['ratio']:6.2f}x  {mark}"
             )
     lines.append("")
-    lines.append("Evaluation of every client (global + personalized), all cores:")
+    lines.append(
+        "Evaluation of every client (s): global = Engine.evaluate under FedAvg (shared path);"
+        " personalized = executor.evaluate of one model per client:"
+    )
     for name, e in results.items():
         ev = e.get("evaluation")
         if ev:
             parts = ", ".join(
-                f"{k} {v:.3f}" if isinstance(v, float) else f"({v})" for k, v in ev.items()
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()
             )
             lines.append(f"  {name}: {parts}")
     lines.append("")

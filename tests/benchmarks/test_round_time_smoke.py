@@ -39,6 +39,10 @@ def test_tiny_workloads_report_positive_times(round_time: Any) -> None:
         assert entry["peak_fraction"] > 0
         assert entry["reference_threads"] in (1, 2)
         assert entry["sequential_vs_vectorized_max_abs_diff"] < 1e-3
+        evaluation = entry["evaluation"]
+        for key in ("global_eval_s", "sequential_personalized_eval_s"):
+            assert evaluation[key] > 0
+        assert evaluation["vectorized_personalized_eval_s"] > 0
     table = round_time.format_table(results)
     assert "W3" in table and "Targets" in table
     json.loads(json.dumps(results))  # the last line of the real run is this JSON

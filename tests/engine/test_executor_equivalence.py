@@ -1,5 +1,7 @@
 """Every registered algorithm gives the same numbers on the sequential, vectorized and auto
-executors (within 1e-4), with partial participation, unequal client sizes and stragglers."""
+executors (within 1e-4), in worker processes too, with partial participation, unequal
+client sizes, stragglers and held-out new clients. The Ray executor's equivalence tests start a
+real cluster: tests/engine/test_ray_executor.py."""
 
 from __future__ import annotations
 
@@ -60,17 +62,23 @@ def assert_same(a: fedloom.RunResult, b: fedloom.RunResult) -> None:
         assert row_a["communication"] == row_b["communication"]
 
 
+OTHER_EXECUTORS = {
+    "vectorized": {"kind": "vectorized", "chunk_size": 3},
+    "processes": {"kind": "sequential", "workers": 2, "threads": 1},
+    "vectorized_processes": {"kind": "vectorized", "workers": 2, "threads": 1},
+}
+
+
+@pytest.mark.parametrize("executor", sorted(OTHER_EXECUTORS))
 @pytest.mark.parametrize("algorithm", ALGORITHMS.names())
-def test_vectorized_equals_sequential_mlp(algorithm):
+def test_executors_equal_sequential_mlp(algorithm, executor):
     seq = fedloom.run(
         config(algorithm, "mlp", {"kind": "sequential"}, 16), write=False, progress=False
     )
-    vec = fedloom.run(
-        config(algorithm, "mlp", {"kind": "vectorized", "chunk_size": 3}, 16),
-        write=False,
-        progress=False,
+    other = fedloom.run(
+        config(algorithm, "mlp", OTHER_EXECUTORS[executor], 16), write=False, progress=False
     )
-    assert_same(seq, vec)
+    assert_same(seq, other)
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedsgd"])
