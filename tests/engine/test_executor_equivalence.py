@@ -108,3 +108,41 @@ def test_auto_equals_sequential_and_reports_its_choice():
     assert_same(seq, auto)
     assert auto.summary["executor"] == "auto"
     assert auto.summary["executor_choice"].split("/")[0] in ("sequential", "vectorized")
+
+
+class DropoutMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5)
+        )
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_dropout_model_is_refused_by_vectorized_and_avoided_by_auto():
+    from fedloom.errors import ConfigError
+
+    cfg = config("fedavg", "mlp", {"kind": "vectorized"}, 16)
+    with pytest.raises(ConfigError, match="dropout"):
+        fedloom.run(cfg, model=DropoutMLP(), write=False, progress=False)
+    auto = fedloom.run(
+        {**cfg, "executor": {"kind": "auto"}}, model=DropoutMLP(), write=False, progress=False
+    )
+    assert not auto.summary["executor_choice"].startswith("vectorized")
+
+
+def test_dropout_masks_follow_each_clients_stream():
+    cfg = config("fedavg", "mlp", {"kind": "sequential"}, 16)
+    torch.manual_seed(123)  # the global generator must not matter
+    a = fedloom.run(cfg, model=DropoutMLP(), write=False, progress=False)
+    torch.manual_seed(456)
+    b = fedloom.run(
+        {**cfg, "executor": {"kind": "sequential", "workers": 2}},
+        model=DropoutMLP(),
+        write=False,
+        progress=False,
+    )
+    assert_same(a, b)

@@ -149,16 +149,17 @@ class Algorithm:
                 return self.local_correction(p, message, state)  # type: ignore[return-value]
 
         data = task.data
-        solved = local_sgd(
-            self.ctx.model,
-            params,
-            buffers,
-            data.x_train,
-            data.y_train,
-            self.client_plan(task),
-            task.lr,
-            correction,
-        )
+        with self.ctx.model.random_stream(self.ctx.seed, task.round, task.client_id):
+            solved = local_sgd(
+                self.ctx.model,
+                params,
+                buffers,
+                data.x_train,
+                data.y_train,
+                self.client_plan(task),
+                task.lr,
+                correction,
+            )
         return self.local_finish(message, state, task, solved)
 
     def deployed_model(

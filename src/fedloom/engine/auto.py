@@ -27,6 +27,7 @@ from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.processes import MultiprocessExecutor
 from fedloom.engine.pytree import Tree
 from fedloom.engine.vectorized import VectorizedExecutor
+from fedloom.errors import ConfigError
 
 PROBE_STEPS = 2
 PROBE_CLIENTS = 8
@@ -39,9 +40,15 @@ class AutoExecutor:
         self.model = model
         self.config = config
         self.sequential = SequentialExecutor(model)
-        self.vectorized = VectorizedExecutor(
-            model, config.chunk_size, config.memory_budget, config.device
-        )
+        self.vectorized: VectorizedExecutor | None = None
+        try:
+            self.vectorized = VectorizedExecutor(
+                model, config.chunk_size, config.memory_budget, config.device
+            )
+        except ConfigError:
+            if config.device == "cuda":
+                raise
+            # a model vmap cannot reproduce (dropout): the other candidates only
         cores = os.cpu_count() or 1
         self.processes: MultiprocessExecutor | None = None
         if cores > 1 and config.device == "cpu":
@@ -52,19 +59,20 @@ class AutoExecutor:
         self.timings: dict[str, float] = {}
 
     def prepare(self, clients: list[ClientData]) -> None:
-        self.vectorized.prepare(clients)
-        if self.processes is not None:
-            self.processes.prepare(clients)
+        for executor in (self.vectorized, self.processes):
+            if executor is not None:
+                executor.prepare(clients)
 
     def close(self) -> None:
-        self.vectorized.close()
-        if self.processes is not None:
-            self.processes.close()
+        for executor in (self.vectorized, self.processes):
+            if executor is not None:
+                executor.close()
 
     def _executor(self, kind: str) -> Any:
         if kind == "sequential":
             return self.sequential
         if kind == "vectorized":
+            assert self.vectorized is not None
             return self.vectorized
         assert self.processes is not None
         return self.processes
@@ -83,7 +91,11 @@ class AutoExecutor:
         batched operations also get all cores; and one 1-thread worker process per core."""
         cores = os.cpu_count() or 1
         threads = [self.config.threads] if self.config.threads else [1]
-        candidates = [("vectorized", t) for t in sorted({*threads, self.config.threads or cores})]
+        candidates = []
+        if self.vectorized is not None:
+            candidates = [
+                ("vectorized", t) for t in sorted({*threads, self.config.threads or cores})
+            ]
         if self.config.device != "cuda":
             candidates = [("sequential", t) for t in threads] + candidates
         if self.processes is not None:

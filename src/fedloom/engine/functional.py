@@ -3,7 +3,8 @@ can later be vmapped over many clients."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,19 @@ class FunctionalModel:
         self.task = task
         self.param_keys = [n for n, _ in module.named_parameters()]
         self._lean: LeanModule | None = None
+        self.has_dropout = any(
+            isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in module.modules()
+        )
         self.buffer_keys = [n for n, _ in module.named_buffers()]
+
+    def random_stream(
+        self, seed: int, round: int, client: int
+    ) -> contextlib.AbstractContextManager:
+        """Dropout masks from the stream (seed, round, client, 'dropout') instead of torch's
+        global generator, so every executor and a resumed run draw the same masks."""
+        if not self.has_dropout:
+            return contextlib.nullcontext()
+        return _seeded_global_rng(seed_for(seed, "dropout", round, client))
 
     def lean(self) -> LeanModule:
         """The private flat-buffer copy used by the sequential local solver (made once)."""
@@ -114,3 +127,10 @@ class FunctionalModel:
 GradCorrection = Callable[[Tree], Tree | None]
 """A term added to the data gradient at every local step (FedProx's mu(w - w_t), SCAFFOLD's
 c - c_k, FedDyn's linear and proximal terms)."""
+
+
+@contextlib.contextmanager
+def _seeded_global_rng(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.func import grad_and_value, vmap
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
@@ -31,6 +32,7 @@ from fedloom.engine.memory import (
 )
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.pytree import Tree
+from fedloom.errors import ConfigError
 
 
 def stack(trees: list[Tree]) -> Tree:
@@ -61,6 +63,18 @@ class VectorizedExecutor:
         memory_budget: str | int | None = None,
         device: str = "cpu",
     ) -> None:
+        dropout = [
+            n
+            for n, m in model.module.named_modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd)
+        ]
+        if dropout:
+            raise ConfigError(
+                f"executor.kind: the vectorized executor cannot run a model with dropout "
+                f"({', '.join(dropout)}): random masks drawn inside vmap cannot follow each "
+                "client's own random stream, so results would not match the sequential executor; "
+                "use executor.kind: sequential (or ray, or workers: N)"
+            )
         self.model = model
         self.requested_chunk = chunk_size
         self.budget = parse_bytes(memory_budget)
