@@ -35,6 +35,8 @@ INPUT_SHAPE = (1, 28, 28)
 NUM_CLASSES = 10
 THREAD_COUNTS = (1, 2)
 PRUNE_FACTOR = 3.0
+PRUNE_MIN_EXCESS_S = 5.0
+"""...and at least this much slower: the first contender of a family pays one-off costs."""
 FAMILIES = ("sequential", "vectorized")
 
 
@@ -428,15 +430,16 @@ def measure_workload(
 
 def prune(warm: dict[str, float], factor: float) -> list[str]:
     """Labels whose warm-up took over ``factor`` times the fastest warm-up of the same
-    implementation at another thread count (under background load two threads on two cores
-    can be 10x slower; timing them further only costs minutes). ``auto`` is always timed."""
+    implementation at another thread count and over PRUNE_MIN_EXCESS_S slower (under
+    background load two threads on two cores can be 10x slower; timing them further only
+    costs minutes). ``auto`` is always timed."""
     out = []
     for label, seconds in warm.items():
         family = label.split("/")[0]
         if family == "auto":
             continue
         best = min(v for k, v in warm.items() if k.split("/")[0] == family)
-        if seconds > factor * best:
+        if seconds > factor * best and seconds - best > PRUNE_MIN_EXCESS_S:
             out.append(label)
     return out
 

@@ -40,8 +40,7 @@ def batch_plan(
         return [full] * num_steps
     plan: list[torch.Tensor] = []
     while len(plan) < num_steps:
-        perm = torch.randperm(n, generator=gen)
-        plan.extend(perm[i : i + batch_size] for i in range(0, n, batch_size))
+        plan.extend(torch.randperm(n, generator=gen).split(batch_size))
     return plan[:num_steps]
 
 
