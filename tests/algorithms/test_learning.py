@@ -9,7 +9,7 @@ import fedloom
 
 @pytest.mark.slow
 def test_fedavg_learns_mnist_with_the_2nn(data_root):
-    # Measured: global accuracy after 5 rounds 0.880 / 0.875 / 0.878 for seeds 0 / 1 / 2
+    # Measured: global accuracy after 5 rounds 0.879 / 0.882 / 0.881 for seeds 0 / 1 / 2
     # (20 IID clients, 10 per round, 1 epoch of batch 32, lr 0.05); about 4 s on 2 cores.
     config = {
         "seed": 0,
