@@ -22,6 +22,7 @@ from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message
 from fedloom.data.federated import ClientData
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.pytree import Tree
+from fedloom.engine.scheduling import balanced_groups
 
 _WORKER: dict[str, Any] = {}
 """Set in the parent just before the fork: the clients' data and the inner executor."""
@@ -40,19 +41,6 @@ def _run_group(
     clients: list[ClientData] = _WORKER["clients"]
     tasks = [replace(task, data=clients[index]) for index, task in orders]
     return _WORKER["inner"].run_round(algorithm, message, tasks, states)
-
-
-def split_by_work(weights: list[int], parts: int) -> list[range]:
-    """Contiguous ranges of about equal total weight (local steps), at most ``parts`` of them."""
-    total = sum(weights) or 1
-    bounds, acc, start = [], 0, 0
-    for i, w in enumerate(weights):
-        acc += w
-        if acc * parts >= total * (len(bounds) + 1) and len(bounds) < parts - 1:
-            bounds.append(range(start, i + 1))
-            start = i + 1
-    bounds.append(range(start, len(weights)))
-    return [b for b in bounds if len(b)]
 
 
 class MultiprocessExecutor:
@@ -100,7 +88,7 @@ class MultiprocessExecutor:
         if any(id(t.data) not in self._index for t in tasks):
             return self.inner.run_round(algorithm, message, tasks, states)
         pool = self._start()
-        groups = split_by_work([len(algorithm.client_plan(t)) for t in tasks], self.workers)
+        groups = balanced_groups([len(algorithm.client_plan(t)) for t in tasks], self.workers)
         futures = [
             pool.submit(
                 _run_group,
