@@ -79,6 +79,6 @@ def test_bytes_are_counted_from_the_messages(tmp_path):
     }
 
 
-def test_sample_size_weights_and_partial_participation_counts():
+def test_partial_participation_samples_clients_per_round():
     result = fedloom.run({**CONFIG, "algorithm": {"name": "fedsgd"}}, write=False, progress=False)
     assert all(r["participants"] == 3 for r in result.history)
