@@ -8,6 +8,7 @@ model each client deploys (``deployed_model``). Persistent per-client state is d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import LocalSolution, local_sgd
+from fedloom.engine.local import LocalSolution, PlanMaker, local_sgd
 from fedloom.engine.pytree import Tree
 
 State = dict[str, Any]
@@ -66,10 +67,10 @@ class AlgorithmContext:
     num_clients: int
     lr: float
     batch_size: int | None
-    aggregate: Any
-    """Callable (trees, weights) -> tree: weighted mean unless a robust rule replaces it."""
-    make_plan: Any
-    """Callable (client_data, num_steps, purpose, round, client_id) -> list of index tensors."""
+    aggregate: Callable[[list[Tree], list[float]], Tree]
+    """(trees, weights) -> tree: weighted mean unless a robust rule replaces it."""
+    make_plan: PlanMaker
+    """(client_data, num_steps, purpose, round, client_id) -> minibatch index tensors."""
 
 
 class Algorithm:
