@@ -8,13 +8,16 @@ after the dataset (``data: {name: synthetic, synthetic: {alpha: 1.0}}``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    PositiveInt,
+    Tag,
     ValidationError,
     model_serializer,
     model_validator,
@@ -62,14 +65,66 @@ class ModelConfig(StrictModel):
     name: str = "mlp"
 
 
+class WorkDistribution(StrictModel):
+    """Local work (epochs or steps) that differs between clients (system heterogeneity).
+
+    - ``uniform {low, high}``: an integer drawn uniformly from low..high (inclusive);
+    - ``choice {values, probs}``: one of ``values`` (with ``probs``, else uniformly);
+    - ``per_client {values}``: client i always does ``values[i]``.
+    Random draws are made afresh every round (``per: round``) or once per client for the whole
+    run (``per: client``), from the stream (seed, round, client, 'work').
+    """
+
+    kind: Literal["uniform", "choice", "per_client"]
+    low: int | None = Field(default=None, ge=1)
+    high: int | None = Field(default=None, ge=1)
+    values: list[int] | None = None
+    probs: list[float] | None = None
+    per: Literal["round", "client"] = "round"
+
+    @model_validator(mode="after")
+    def _complete(self) -> WorkDistribution:
+        if self.kind == "uniform":
+            if self.low is None or self.high is None or self.low > self.high:
+                raise ValueError("kind uniform needs integers low <= high (both >= 1)")
+        else:
+            if not self.values or any(v < 1 for v in self.values):
+                raise ValueError(f"kind {self.kind} needs values: a list of integers >= 1")
+            if self.probs is not None:
+                if self.kind != "choice":
+                    raise ValueError("probs applies only to kind choice")
+                if len(self.probs) != len(self.values) or any(q < 0 for q in self.probs):
+                    raise ValueError("probs needs one non-negative number per value")
+                if abs(sum(self.probs) - 1.0) > 1e-6:
+                    raise ValueError(f"probs must sum to 1 (got {sum(self.probs)})")
+        return self
+
+
+def _work_kind(value: Any) -> str:
+    return "distribution" if isinstance(value, dict | WorkDistribution) else "count"
+
+
+Work = Annotated[
+    Annotated[PositiveInt, Tag("count")] | Annotated[WorkDistribution, Tag("distribution")],
+    Discriminator(_work_kind),
+]
+"""A fixed number, or a WorkDistribution mapping."""
+
+_UNION_TAGS = {"count", "distribution"}
+"""Branch tags pydantic puts into error locations; not keys, so dropped from messages."""
+
+
 class TrainConfig(StrictModel):
     rounds: int = Field(default=20, ge=1)
     clients_per_round: int | None = Field(default=None, ge=1)
-    local_epochs: int | None = Field(default=None, ge=1)
-    local_steps: int | None = Field(default=None, ge=1)
+    local_epochs: Work | None = None
+    local_steps: Work | None = None
     batch_size: int | None = Field(default=32, ge=1)
     lr: float = Field(default=0.05, gt=0.0)
     stragglers: float = Field(default=0.0, ge=0.0, lt=1.0)
+    straggler_mode: Literal["partial", "drop"] = "partial"
+    """partial: a straggler does a uniform share 1..S of its S steps and is aggregated;
+    drop: the server drops it (FedProx paper: FedAvg drops stragglers, FedProx keeps them)."""
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
@@ -159,18 +214,26 @@ def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         fields = getattr(current, "model_fields", None)
         if not fields or part not in fields:
             return []
-        current = fields[part].annotation
-        current = next(
-            (a for a in getattr(current, "__args__", ()) if hasattr(a, "model_fields")), current
-        )
+        current = _model_in(fields[part].annotation) or current
     return list(getattr(current, "model_fields", {}))
+
+
+def _model_in(annotation: Any) -> Any:
+    """The first pydantic model inside an annotation (through unions and Annotated)."""
+    if hasattr(annotation, "model_fields"):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def format_validation_error(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     """One line per problem, each naming the full key path, the value and what is allowed."""
     lines = []
     for e in err.errors():
-        loc = tuple(e["loc"])
+        loc = tuple(p for p in e["loc"] if p not in _UNION_TAGS)
         key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "config"
         if e["type"] == "extra_forbidden":
             hint = closest(str(loc[-1]), _field_names(model, loc))
@@ -209,8 +272,18 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set key.path=value`` overrides (values parsed as YAML scalars/lists)."""
+    """Apply ``--set key.path=value`` overrides (values parsed as YAML scalars/lists).
+
+    ``--set algorithm.name=X`` naming another algorithm than the file's starts a fresh
+    ``algorithm`` section (the old algorithm's hyperparameters would not apply to X); it is
+    applied first, so the other ``--set algorithm.*`` keys land in the new section."""
     raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
+    renames = [o for o in overrides if o.split("=", 1)[0].strip() == "algorithm.name"]
+    for item in renames:
+        name = yaml.safe_load(item.split("=", 1)[1])
+        section = raw.get("algorithm")
+        if not isinstance(section, dict) or section.get("name") != name:
+            raw["algorithm"] = {"name": name}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key.path=value")

@@ -113,6 +113,18 @@ def test_set_overrides_and_run_directory(tmp_path):
     assert summary["algorithm"] == "fedprox" and summary["rounds"] == 3
 
 
+def test_set_algorithm_name_starts_a_fresh_algorithm_section():
+    from fedloom.config import apply_overrides
+
+    raw = {"algorithm": {"name": "fedavg_ft", "finetune_steps": 10}}
+    # the file's fedavg_ft keys do not leak into scaffold; later --set keys land in it
+    out = apply_overrides(raw, ["algorithm.server_lr=0.5", "algorithm.name=scaffold"])
+    assert out["algorithm"] == {"name": "scaffold", "server_lr": 0.5}
+    # the same name keeps the file's keys
+    same = apply_overrides(raw, ["algorithm.name=fedavg_ft", "algorithm.finetune_steps=3"])
+    assert same["algorithm"] == {"name": "fedavg_ft", "finetune_steps": 3}
+
+
 def test_existing_output_directory_is_never_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -152,7 +164,9 @@ def test_resume_of_a_non_run_directory_exits_2(tmp_path):
 def test_algorithms_lists_every_baseline_with_hyperparameters():
     proc = fedloom("algorithms")
     assert proc.returncode == 0
-    for name in ("fedsgd", "fedavg", "fedprox", "local", "fedavg_ft", "centralized"):
+    from fedloom.algorithms import ALGORITHMS
+
+    for name in ALGORITHMS.names():
         assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), name
     assert "mu=0.01" in proc.stdout and "finetune_steps=10" in proc.stdout
 

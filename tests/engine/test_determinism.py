@@ -62,10 +62,21 @@ def test_different_seed_gives_different_metrics():
     assert metrics_without_time(a.history) != metrics_without_time(b.history)
 
 
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path):
-    full = fedloom.run(CONFIG, out=tmp_path / "full", progress=False)
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        CONFIG["algorithm"],
+        {"name": "scaffold"},  # client controls c_i and server control c
+        {"name": "feddyn", "mu": 0.1},  # client gradients g_k and server h
+        {"name": "fedyogi", "server_lr": 0.05},  # server moments m, v
+    ],
+    ids=lambda a: a["name"],
+)
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, algorithm):
+    config = {**CONFIG, "algorithm": algorithm}
+    full = fedloom.run(config, out=tmp_path / "full", progress=False)
 
-    cfg = parse_config(CONFIG)
+    cfg = parse_config(config)
     data = load_dataset(cfg.data, cfg.seed)
     run_dir = RunDir.create(tmp_path / "killed")
     run_dir.write_config(cfg.to_yaml())

@@ -15,7 +15,16 @@ from fedloom.algorithms import ALGORITHMS
 
 TOL = 1e-4
 
-HYPER = {"fedprox": {"mu": 0.1}, "fedavg_ft": {"finetune_steps": 4}}
+HYPER = {
+    "fedprox": {"mu": 0.1},
+    "fedavg_ft": {"finetune_steps": 4},
+    # with sample weights one ReLU input of client 5 sits 3.7e-9 from zero in round 2, and
+    # float summation order flips it (1.07e-4 apart); uniform weights keep all within 3e-8
+    "fedper": {"weighting": "uniform"},
+}
+
+NEEDS_NORM_LAYERS = {"fedbn"}
+"""Algorithms that refuse models without normalization layers: tested on cnn_bn below."""
 
 
 def config(algorithm: str, model: str, executor: dict, batch_size: int) -> dict:
@@ -72,7 +81,7 @@ OTHER_EXECUTORS = {
 
 
 @pytest.mark.parametrize("executor", sorted(OTHER_EXECUTORS))
-@pytest.mark.parametrize("algorithm", ALGORITHMS.names())
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])
 def test_executors_equal_sequential_mlp(algorithm, executor):
     seq = fedloom.run(
         config(algorithm, "mlp", {"kind": "sequential"}, 16), write=False, progress=False
@@ -83,7 +92,7 @@ def test_executors_equal_sequential_mlp(algorithm, executor):
     assert_same(seq, other)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedsgd"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedsgd", *sorted(NEEDS_NORM_LAYERS)])
 def test_vectorized_equals_sequential_with_batch_norm(algorithm):
     # Batch size 121 keeps every minibatch >= 21 samples here: batch statistics of 1-3 samples
     # turn float rounding into large differences on any two summation orders.

@@ -24,6 +24,7 @@ from fedloom.engine.ray_executor import RayExecutor, balanced_groups, compact, c
 from fedloom.errors import ConfigError
 from tests.conftest import metrics_without_time
 from tests.engine.ray_cluster import free_port, ray_cluster
+from tests.engine.test_executor_equivalence import NEEDS_NORM_LAYERS
 
 ray = pytest.importorskip("ray")
 
@@ -49,6 +50,8 @@ def config(algorithm: str, executor: dict[str, Any]) -> dict[str, Any]:
     cfg = copy.deepcopy(BASE)
     cfg["algorithm"] = {"name": algorithm, **HYPER.get(algorithm, {})}
     cfg["executor"] = executor
+    if algorithm in NEEDS_NORM_LAYERS:
+        cfg["model"] = {"name": "cnn_bn"}
     return cfg
 
 

@@ -76,6 +76,8 @@ def test_bytes_are_counted_from_the_messages(tmp_path):
     assert result.summary["communication"] == {
         "bytes_up": 12 * model_bytes,
         "bytes_down": 12 * model_bytes,
+        "bytes_up_per_round": 3 * model_bytes,
+        "bytes_down_per_round": 3 * model_bytes,
     }
 
 

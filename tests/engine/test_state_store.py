@@ -32,6 +32,10 @@ def test_round_trip_and_absent_clients(tmp_path):
         assert list(store) == [2, 4]
         stacked = store.stacked([2, 2])
         assert stacked["params"]["w"].shape == (2, 3, 4)
+        store.set(4, _state(4))  # a state after None replaces it
+        assert torch.equal(store.get(4)["c"], _state(4)["c"])
+        store.set(4, None)
+        assert store.get(4) is None
 
 
 def test_checkpoint_round_trip(tmp_path):

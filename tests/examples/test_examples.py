@@ -10,7 +10,10 @@ import fedloom
 from fedloom.config import apply_overrides, load_yaml
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
-SHRINK = {"shakespeare": ["data.num_clients=3", "train.clients_per_round=2", "train.local_steps=2"]}
+SHRINK = {
+    "heterogeneous_mnist": ["train.local_epochs.high=2"],
+    "shakespeare": ["data.num_clients=3", "train.clients_per_round=2", "train.local_steps=2"],
+}
 
 
 def test_there_is_an_example_per_dataset():

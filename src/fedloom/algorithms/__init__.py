@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fedloom.algorithms.apfl import APFL
 from fedloom.algorithms.base import (
     Algorithm,
     AlgorithmConfig,
@@ -14,16 +15,51 @@ from fedloom.algorithms.base import (
     ClientTask,
 )
 from fedloom.algorithms.centralized import Centralized
+from fedloom.algorithms.ditto import Ditto
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.fedavg_ft import FedAvgFT
+from fedloom.algorithms.fedbn import FedBN
+from fedloom.algorithms.fedcr import FedCR
+from fedloom.algorithms.feddyn import FedDyn
+from fedloom.algorithms.fednova import FedNova
+from fedloom.algorithms.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from fedloom.algorithms.fedper import FedPer
 from fedloom.algorithms.fedprox import FedProx
 from fedloom.algorithms.fedsgd import FedSGD
+from fedloom.algorithms.fpfc import FPFC
+from fedloom.algorithms.l2sgd import L2SGD
 from fedloom.algorithms.local import LocalOnly
+from fedloom.algorithms.pfedmac import PFedMac
+from fedloom.algorithms.pfedme import PFedMe
+from fedloom.algorithms.scaffold import Scaffold
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithm.name")
-for _cls in (FedSGD, FedAvg, FedProx, LocalOnly, FedAvgFT, Centralized):
+for _cls in (
+    FedSGD,
+    FedAvg,
+    FedProx,
+    LocalOnly,
+    FedAvgFT,
+    Centralized,
+    Scaffold,
+    FedNova,
+    FedDyn,
+    FedBN,
+    FedAvgM,
+    FedAdagrad,
+    FedYogi,
+    FedAdam,
+    FedPer,
+    FedCR,
+    L2SGD,
+    PFedMe,
+    Ditto,
+    APFL,
+    PFedMac,
+    FPFC,
+):
     ALGORITHMS.add(_cls.name, _cls)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -18,10 +18,13 @@ from pydantic import BaseModel, ConfigDict
 from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import LocalSolution, PlanMaker, local_sgd
-from fedloom.engine.pytree import Tree
+from fedloom.engine.pytree import Tree, num_bytes
 
 State = dict[str, Any]
 """A server's or client's persistent state: a (nested) dict of tensors and trees."""
+
+Weighting = Literal["uniform", "samples"]
+"""Client weights p_k of the global objective sum_k p_k F_k: 1/K or n_k / n."""
 
 Message = dict[str, Tree]
 """What travels between server and client, namespaced (``params``, ``buffers``, ``grad`` ...)."""
@@ -44,6 +47,9 @@ class ClientTask:
     """Minibatch index tensors, one per local step (stragglers get a truncated plan)."""
     lr: float
     round: int
+    full: int | None = None
+    """Local steps the client was asked for (``len(plan)`` is what it completed: fewer for a
+    straggler). None: not recorded, same as ``len(plan)``."""
 
 
 @dataclass
@@ -71,6 +77,16 @@ class AlgorithmContext:
     """(trees, weights) -> tree: weighted mean unless a robust rule replaces it."""
     make_plan: PlanMaker
     """(client_data, num_steps, purpose, round, client_id) -> minibatch index tensors."""
+    population: dict[int, int] = field(default_factory=dict)
+    """Training samples of every training client (held-out new clients excluded): the
+    weights of the global objective sum_k p_k F_k."""
+
+    def objective_weight(self, client_id: int, weighting: str) -> float:
+        """p_k of client k in the global objective: 1/K (``uniform``, the SCAFFOLD and FedDyn
+        papers' objective) or n_k / n (``samples``, FedAvg's)."""
+        if weighting == "uniform":
+            return 1.0 / len(self.population)
+        return self.population[client_id] / sum(self.population.values())
 
 
 class Algorithm:
@@ -102,6 +118,16 @@ class Algorithm:
     def global_model(self, server: State) -> tuple[Tree, Tree] | None:
         return (server["params"], server["buffers"]) if self.has_global_model else None
 
+    def download_bytes(self, message: Message, client_id: int) -> int:
+        """Bytes client ``client_id`` downloads of ``message`` (default: all of it; FPFC sends
+        each client only its own row of a per-client table)."""
+        return sum(num_bytes(tree) for tree in message.values())
+
+    def summary_extras(self, server: State) -> dict[str, Any]:
+        """Algorithm-specific results for summary.json's ``extras`` (FPFC's clusters,
+        pFedMac's sparsity); empty by default."""
+        return {}
+
     # -- client ---------------------------------------------------------------------------
     def init_client_state(self, server: State, client_id: int) -> State | None:
         """Initial persistent state of a client (None: the algorithm keeps none)."""
@@ -124,6 +150,21 @@ class Algorithm:
         vectorized executor can vmap it with ``state`` stacked over clients.
         """
         return None
+
+    def local_lr(self, task: ClientTask) -> float:
+        """Step size of the local solver (default ``train.lr``; APFL decays it by round). Must
+        be the same for every client of a round: the vectorized executor steps them together."""
+        return task.lr
+
+    def uses_shared_local_solver(self) -> bool:
+        """True unless the algorithm overrides ``client_update`` with a solver of its own; the
+        vectorized executor batches only the shared solver and runs the others one client at
+        a time (same numbers, no speed-up)."""
+        return type(self).client_update is Algorithm.client_update
+
+    def local_momentum(self) -> float:
+        """Heavy-ball momentum of the local solver (0: plain SGD, the default)."""
+        return 0.0
 
     def has_correction(self) -> bool:
         return type(self).local_correction is not Algorithm.local_correction
@@ -158,8 +199,9 @@ class Algorithm:
                 data.x_train,
                 data.y_train,
                 self.client_plan(task),
-                task.lr,
+                self.local_lr(task),
                 correction,
+                self.local_momentum(),
             )
         return self.local_finish(message, state, task, solved)
 
@@ -172,6 +214,15 @@ class Algorithm:
         return model
 
     # -- shared pieces --------------------------------------------------------------------
+    def average_buffers(
+        self, server: State, results: list[ClientResult], weights: list[float]
+    ) -> Tree:
+        """Weighted mean of the uploaded ``buffers`` (BatchNorm statistics), or the server's
+        when the model has none; for algorithms whose parameter update is not an average."""
+        if not server["buffers"]:
+            return server["buffers"]
+        return self.ctx.aggregate([r.upload["buffers"] for r in results], weights)
+
     def aggregate_models(
         self, results: list[ClientResult], weights: list[float] | None = None
     ) -> State:

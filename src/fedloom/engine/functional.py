@@ -107,6 +107,22 @@ class FunctionalModel:
             grads = torch.autograd.grad(loss, list(leaves.values()))
         return dict(zip(leaves, grads, strict=True)), loss.detach()
 
+    def full_gradient(
+        self, params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor, chunk: int = 1024
+    ) -> Tree:
+        """Gradient of the mean loss over all of (x, y) at ``params``, in chunks of ``chunk``
+        samples (so memory stays bounded); ``buffers`` are not modified."""
+        n = int(x.shape[0])
+        total = {k: torch.zeros_like(v) for k, v in params.items()}
+        for start in range(0, n, chunk):
+            xb, yb = x[start : start + chunk], y[start : start + chunk]
+            grads, _ = self.grad_and_loss(
+                params, {k: b.clone() for k, b in buffers.items()}, xb, yb
+            )
+            for k, g in grads.items():
+                total[k].add_(g, alpha=int(xb.shape[0]) / n)
+        return total
+
     @torch.no_grad()
     def evaluate(
         self, params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024

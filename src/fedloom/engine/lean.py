@@ -46,7 +46,11 @@ class LeanModule:
 
     def params(self) -> Tree:
         """Detached copies of the current parameters (one copy of the flat buffer)."""
-        flat = self.flat.clone()
+        return self.unflatten(self.flat)
+
+    def unflatten(self, flat: torch.Tensor) -> Tree:
+        """A copy of a flat parameter-shaped vector as a tree keyed like the parameters."""
+        flat = flat.clone()
         out, offset = {}, 0
         for k, p in self.views.items():
             out[k] = flat[offset : offset + p.numel()].view_as(p)

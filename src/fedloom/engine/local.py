@@ -7,7 +7,6 @@ same plan is reproduced on every executor.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +15,6 @@ from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel, GradCorrection
 from fedloom.engine.pytree import Tree
 from fedloom.rng import generator
-
-
-def num_local_steps(n: int, batch_size: int | None, epochs: int | None, steps: int | None) -> int:
-    """Steps one client runs: ``steps`` if given, else ``epochs * ceil(n / batch_size)``."""
-    if steps is not None:
-        return steps
-    per_epoch = 1 if batch_size is None else max(1, math.ceil(n / batch_size))
-    return int(epochs or 1) * per_epoch
 
 
 def batch_plan(
@@ -73,6 +64,8 @@ class LocalSolution:
     """The parameters local SGD started from."""
     lr: float
     steps: int
+    velocity: Tree | None = None
+    """Heavy-ball momentum buffer at the end (None when the solver ran without momentum)."""
 
 
 def local_sgd(
@@ -84,17 +77,25 @@ def local_sgd(
     plan: list[torch.Tensor],
     lr: float,
     correction: GradCorrection | None = None,
+    momentum: float = 0.0,
+    velocity: Tree | None = None,
 ) -> LocalSolution:
     """Run SGD steps w <- w - lr (grad F_k(w; batch) + correction(w)) along ``plan``.
 
-    The inputs are not modified. Runs on the model's lean trainer (flat buffers, one fused
-    update per step); the math is the same as the functional path the vectorized executor
-    vmaps.
+    With ``momentum`` rho > 0 the steps are heavy-ball, as ``torch.optim.SGD`` (no dampening):
+    v <- rho v + g, w <- w - lr v, from ``velocity`` (default zero). The inputs are not
+    modified. Runs on the model's lean trainer (flat buffers, one fused update per step); the
+    math is the same as the functional path the vectorized executor vmaps.
     """
     lean = model.lean()
     lean.load(params, buffers)
     flat, flat_grad = lean.flat, lean.flat_grad
     grads = lean.grad_view()
+    flat_velocity = None
+    if momentum:
+        flat_velocity = torch.zeros_like(flat)
+        if velocity is not None:
+            torch.cat([velocity[k].reshape(-1) for k in lean.keys], out=flat_velocity)
     total = 0.0
     for idx in plan:
         flat_grad.zero_()
@@ -107,9 +108,19 @@ def local_sgd(
                 if extra is not None:
                     for k, g in grads.items():
                         g.add_(extra[k])
-            flat.sub_(flat_grad, alpha=lr)
+            if flat_velocity is not None:
+                flat_velocity.mul_(momentum).add_(flat_grad)
+                flat.sub_(flat_velocity, alpha=lr)
+            else:
+                flat.sub_(flat_grad, alpha=lr)
         total += float(loss.detach())
     solved_params = lean.params()
     return LocalSolution(
-        solved_params, lean.buffers_copy(), total / max(1, len(plan)), params, lr, len(plan)
+        solved_params,
+        lean.buffers_copy(),
+        total / max(1, len(plan)),
+        params,
+        lr,
+        len(plan),
+        lean.unflatten(flat_velocity) if flat_velocity is not None else None,
     )

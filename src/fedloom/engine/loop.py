@@ -24,12 +24,13 @@ from fedloom.data.federated import ClientData, FederatedData
 from fedloom.engine import pytree
 from fedloom.engine.executor import make_executor
 from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker, num_local_steps
+from fedloom.engine.local import PlanMaker
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.engine.progress import RoundProgress
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.sampling import sample_clients, straggler_steps
+from fedloom.engine.sampling import sample_clients
 from fedloom.engine.state_store import ClientStateStore
+from fedloom.engine.workload import full_budget, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
 
@@ -103,6 +104,7 @@ class Engine:
             batch_size=train.batch_size,
             aggregate=aggregator,
             make_plan=PlanMaker(config.seed, train.batch_size),
+            population={c: data.clients[c].num_train for c in self.train_ids},
         )
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
         self._pooled = pooled_client(data, self.train_ids) if self.algorithm.pooled else None
@@ -115,17 +117,20 @@ class Engine:
         return self.data.clients[client_id]
 
     def tasks_for_round(self, round: int, clients: list[int]) -> list[ClientTask]:
-        train = self.config.train
+        """Work orders of the clients that report back this round (dropped stragglers, with
+        ``train.straggler_mode: drop``, get none)."""
+        train, seed = self.config.train, self.config.seed
         datas = [self.client_data(c) for c in clients]
         full = [
-            num_local_steps(d.num_train, train.batch_size, train.local_epochs, train.local_steps)
-            for d in datas
+            full_budget(train, seed, round, c, d.num_train)
+            for c, d in zip(clients, datas, strict=True)
         ]
-        steps = straggler_steps(self.config.seed, round, clients, full, train.stragglers)
+        steps = straggler_steps(seed, round, clients, full, train.stragglers, train.straggler_mode)
         make_plan = self.algorithm.ctx.make_plan
         return [
-            ClientTask(c, d, make_plan(d, s, "batches", round, c), train.lr, round)
-            for c, d, s in zip(clients, datas, steps, strict=True)
+            ClientTask(c, d, make_plan(d, s, "batches", round, c), train.lr, round, full=f)
+            for c, d, s, f in zip(clients, datas, steps, full, strict=True)
+            if s > 0
         ]
 
     # -- evaluation -----------------------------------------------------------------------
@@ -243,6 +248,8 @@ class Engine:
                         "wall_seconds": time.perf_counter() - start,
                         "train_loss": st["train_loss"],
                         "participants": st["participants"],
+                        "reported": st["reported"],
+                        **({"client_info": st["client_info"]} if st.get("client_info") else {}),
                         **row,
                         "communication": {
                             "bytes_up": st["bytes_up"],
@@ -270,6 +277,9 @@ class Engine:
         if not deployed:  # resumed at the very end: evaluate once to report client models
             _, deployed = self.evaluate(server, states, rounds)
         summary = self._summary(history, st, wall)
+        extras = self.algorithm.summary_extras(server)
+        if extras:
+            summary["extras"] = extras
         global_model = self.algorithm.global_model(server)
         return RunResult(
             summary=summary,
@@ -277,6 +287,7 @@ class Engine:
             global_params={**global_model[0], **global_model[1]} if global_model else None,
             client_params=deployed,
             run_dir=self.run_dir,
+            extras=extras,
         )
 
     def _one_round(
@@ -293,7 +304,7 @@ class Engine:
         message = self.algorithm.server_message(server)
         tasks = self.tasks_for_round(round, clients)
         results: list[ClientResult] = self.executor.run_round(
-            self.algorithm, message, tasks, [states.get(c) for c in clients]
+            self.algorithm, message, tasks, [states.get(t.client_id) for t in tasks]
         )
         for task, result in zip(tasks, results, strict=True):
             for transform in self.upload_transforms:
@@ -301,12 +312,15 @@ class Engine:
             if result.state is not None:
                 states.set(task.client_id, result.state)
         if self.algorithm.communicates:
-            st["bytes_down"] += len(clients) * message_bytes(message)
+            st["bytes_down"] += sum(self.algorithm.download_bytes(message, c) for c in clients)
             st["bytes_up"] += sum(message_bytes(r.upload) for r in results)
-        server = self.algorithm.aggregate(server, results)
+        st["client_info"] = mean_info(results)
+        if results:  # every sampled client dropped out: the server keeps its state
+            server = self.algorithm.aggregate(server, results)
         total = sum(r.weight for r in results)
         st["train_loss"] = sum(r.loss * r.weight for r in results) / total if total else None
         st["participants"] = len(clients)
+        st["reported"] = len(results)
         return server, states, st
 
     def _summary(
@@ -325,7 +339,12 @@ class Engine:
             "executor": self.executor.name,
             "executor_choice": getattr(self.executor, "choice", None) or self.executor.name,
             "final": {"global": last.get("global"), "personalized": personalized},
-            "communication": {"bytes_up": st["bytes_up"], "bytes_down": st["bytes_down"]},
+            "communication": {
+                "bytes_up": st["bytes_up"],
+                "bytes_down": st["bytes_down"],
+                "bytes_up_per_round": st["bytes_up"] / cfg.train.rounds,
+                "bytes_down_per_round": st["bytes_down"] / cfg.train.rounds,
+            },
             "wall_seconds": wall,
             "seconds_per_round": wall / cfg.train.rounds,
         }
@@ -345,6 +364,17 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def mean_info(results: list[ClientResult]) -> dict[str, float]:
+    """Per key, the mean over the round's reports of the numbers clients put in
+    ``ClientResult.info`` (e.g. pFedMac's sparsity); bookkeeping keys are skipped."""
+    keys = sorted({k for r in results for k in r.info if k not in ("client", "round")})
+    out = {}
+    for key in keys:
+        values = [float(r.info[key]) for r in results if key in r.info]
+        out[key] = sum(values) / len(values)
+    return out
 
 
 def message_bytes(message: Message) -> int:

@@ -70,6 +70,7 @@ class LightTask:
     plan: list[torch.Tensor]
     lr: float
     round: int
+    full: int | None = None
 
 
 class RayWorker:
@@ -129,7 +130,7 @@ class RayWorker:
         """Run one group of client updates; returns (node id, results in task order)."""
         algorithm, inner = self._load(boxed_algorithm)
         full = [
-            ClientTask(t.client_id, self.clients[t.data_index], t.plan, t.lr, t.round)
+            ClientTask(t.client_id, self.clients[t.data_index], t.plan, t.lr, t.round, t.full)
             for t in tasks
         ]
         results = inner.run_round(algorithm, message, full, states)
@@ -310,7 +311,7 @@ class RayExecutor:
                 raise RuntimeError(
                     f"client {t.client_id}'s data was not given to RayExecutor.prepare()"
                 )
-            light.append(LightTask(index, t.client_id, compact(t.plan), t.lr, t.round))
+            light.append(LightTask(index, t.client_id, compact(t.plan), t.lr, t.round, t.full))
         groups = balanced_groups([max(1, len(t.plan)) for t in tasks], len(self.actors))
         futures = [
             actor.run.remote(

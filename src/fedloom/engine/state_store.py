@@ -82,6 +82,7 @@ class ClientStateStore:
         if state is None:
             self._none.add(client)
             return
+        self._none.discard(client)
         flat = _flatten(state)
         for path, value in flat.items():
             if isinstance(value, dict):

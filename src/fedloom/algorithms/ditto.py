@@ -1,0 +1,269 @@
+"""Ditto (Li et al., ICML 2021, arXiv:2012.04221, Algorithm 1); seed 000, Ditto section,
+equations (8)-(9) and its pseudocode.
+
+The bilevel problem (8): each client k keeps a personal model omega_k that minimizes
+h_k(omega; theta*) = f_k(omega) + mu/2 ||omega - theta*||^2 (mu: the paper's lambda), while
+theta* solves the ordinary federated problem G(f_1(theta), ..., f_K(theta)). The two are
+decoupled: omega_k never enters the global update. One round::
+
+    server broadcasts theta^t                       # the global algorithm's server_message
+    client k (in parallel):
+      theta_k^t <- UpdateGlobal(theta^t, f_k)       # the global algorithm's local work
+      omega_k   <- omega_k - eta_p (grad f_k(omega_k) + mu (omega_k - theta^t))   # (9),
+                   personal_steps times on minibatches of the stream (seed, round, k,
+                   'ditto/personal'); eta_p = personal_lr (default train.lr)
+      upload what the global algorithm uploads (Delta_k^t or theta_k^t, ...)
+    server: theta^{t+1} <- Aggregate(theta^t, uploads)   # the global algorithm's aggregate
+
+``UpdateGlobal`` / ``Aggregate`` are any registered horizontal algorithm (one with a global
+model that communicates; FedAvg by default): ``global_algorithm: {name: scaffold, ...}`` is
+validated with that algorithm's own config and built with the same AlgorithmContext. Ditto
+delegates to it the server state, the server message, the local solver's hooks (start point,
+plan, step size, momentum, gradient correction), the upload, the client weight and the
+aggregation, so the global model is bit for bit the one the global algorithm alone computes.
+
+The states are namespaced. Server: ``inner`` (the global algorithm's server state) and
+``initial`` (theta^(0), never sent). Client: ``personal`` (omega_k: params and buffers, e.g. its
+own BatchNorm statistics), ``steps`` (personal steps taken so far) and ``inner`` (the global
+algorithm's client state; absent when it keeps none). omega_k^(0) = theta^(0) for every client,
+as the pseudocode initializes all clients at the start, also for one first sampled late. A
+client without a personal step (never sampled, or a held-out new client) deploys the global
+model theta.
+
+As in the paper's Algorithm 1, which runs s local iterations for both problems, the personal
+problem gets as many steps as the global update completed (so a straggler doing partial work
+does as many fewer); ``personal_steps`` fixes the number instead (``personal_steps: 1`` is the
+seed's reading, one step of (9) per round). Steps (9) run the shared local solver with
+:func:`fedloom.engine.proximal.proximal_gradient` as the correction. They happen in
+``local_finish``, one client at a time: the vectorized executor batches the global update
+across clients as for the global algorithm alone, and runs the personal steps per client (same
+numbers on every executor). A global algorithm with its own ``client_update`` (APFL, pFedMe)
+runs it, then the personal steps follow.
+
+Deployed (personalized) model: omega_k. Global model: theta.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+
+from fedloom.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    ClientResult,
+    ClientTask,
+    Message,
+    State,
+)
+from fedloom.engine.local import LocalSolution, local_sgd
+from fedloom.engine.proximal import proximal_gradient
+from fedloom.engine.pytree import Tree, clone
+from fedloom.errors import unknown_name_message
+from fedloom.rng import seed_for
+
+NOT_GLOBAL = ("ditto",)
+"""Registered algorithms that cannot be Ditto's global algorithm besides those without a
+global model: Ditto itself (its own personal models would be dropped)."""
+
+
+def horizontal(cls: type[Algorithm]) -> bool:
+    """Whether ``cls`` can serve as Ditto's UpdateGlobal/Aggregate: it trains one global
+    model by communicating with clients that each hold their own data."""
+    return (
+        cls.has_global_model and cls.communicates and not cls.pooled and cls.name not in NOT_GLOBAL
+    )
+
+
+def validate_global_algorithm(value: Any) -> dict[str, Any]:
+    """``global_algorithm`` (a name or a mapping with ``name``) validated by that algorithm's
+    own Config; returns the full mapping (defaults filled in)."""
+    from fedloom.algorithms import ALGORITHMS  # the registry imports this module
+    from fedloom.config import format_validation_error
+
+    raw = {"name": value} if isinstance(value, str) else value
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise ValueError("expected an algorithm name or a mapping with a 'name' key")
+    name = str(raw["name"])
+    allowed = [n for n in ALGORITHMS.names() if horizontal(ALGORITHMS.get(n))]
+    if name not in ALGORITHMS:
+        raise ValueError(unknown_name_message("algorithm", name, allowed))
+    cls = ALGORITHMS.get(name)
+    if not horizontal(cls):
+        raise ValueError(
+            f"'{name}' cannot be Ditto's global algorithm, which must train one global model "
+            f"from the clients' data; allowed: {', '.join(allowed)}"
+        )
+    try:
+        parsed = cls.Config.model_validate(raw)
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err, cls.Config)) from None
+    return parsed.model_dump()
+
+
+class DittoConfig(AlgorithmConfig):
+    mu: float = Field(
+        default=0.1,
+        ge=0.0,
+        validation_alias=AliasChoices("mu", "lam"),
+        description="proximal coefficient of (8)-(9), the paper's lambda (0 = local training)",
+    )
+    personal_steps: int | None = Field(
+        default=None, ge=1, description="steps of (9) per round (default: the global update's)"
+    )
+    personal_lr: float | None = Field(
+        default=None, gt=0.0, description="step size of (9) (default: train.lr)"
+    )
+    global_algorithm: dict[str, Any] = Field(
+        default={"name": "fedavg"},
+        description="UpdateGlobal/Aggregate: any horizontal algorithm and its options",
+    )
+
+    @field_validator("global_algorithm", mode="before")
+    @classmethod
+    def _global_algorithm(cls, value: Any) -> dict[str, Any]:
+        return validate_global_algorithm(value)
+
+
+class Ditto(Algorithm):
+    name = "ditto"
+    summary = "Ditto: personal models proximal to a global model of any algorithm (Li et al.)"
+    Config = DittoConfig
+
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
+        super().__init__(config, ctx)
+        from fedloom.algorithms import build_algorithm  # the registry imports this module
+
+        self.inner: Algorithm = build_algorithm(self.config.global_algorithm, ctx)
+
+    # -- server: the global algorithm's, next to the initial model -------------------------
+    def init_server_state(self, params: Tree, buffers: Tree) -> State:
+        return {
+            "inner": self.inner.init_server_state(params, buffers),
+            "initial": {"params": clone(params), "buffers": clone(buffers)},
+        }
+
+    def server_message(self, server: State) -> Message:
+        return self.inner.server_message(server["inner"])
+
+    def aggregate(self, server: State, results: list[ClientResult]) -> State:
+        return {**server, "inner": self.inner.aggregate(server["inner"], results)}
+
+    def global_model(self, server: State) -> tuple[Tree, Tree] | None:
+        return self.inner.global_model(server["inner"])
+
+    # -- client state ----------------------------------------------------------------------
+    def init_client_state(self, server: State, client_id: int) -> State:
+        """omega_k^(0) = theta^(0), the initial model (pseudocode: every client's personal model
+        is initialized at the start), and the global algorithm's client state."""
+        initial = server["initial"]
+        state: State = {
+            "personal": {"params": clone(initial["params"]), "buffers": clone(initial["buffers"])},
+            "steps": torch.zeros((), dtype=torch.int64),
+        }
+        inner = self.inner.init_client_state(server["inner"], client_id)
+        if inner is not None:
+            state["inner"] = inner
+        return state
+
+    @staticmethod
+    def _inner_state(state: State | None) -> State | None:
+        return None if state is None else state.get("inner")
+
+    # -- the global update: the global algorithm's local solver hooks -----------------------
+    def client_plan(self, task: ClientTask) -> list:
+        return self.inner.client_plan(task)
+
+    def local_start(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        return self.inner.local_start(message, self._inner_state(state), task)
+
+    def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
+        return self.inner.local_correction(params, message, self._inner_state(state))
+
+    def has_correction(self) -> bool:
+        return self.inner.has_correction()
+
+    def local_lr(self, task: ClientTask) -> float:
+        return self.inner.local_lr(task)
+
+    def local_momentum(self) -> float:
+        return self.inner.local_momentum()
+
+    def uses_shared_local_solver(self) -> bool:
+        return self.inner.uses_shared_local_solver()
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
+    ) -> ClientResult:
+        inner = self.inner.local_finish(message, self._inner_state(state), task, solved)
+        return self._with_personal_step(message, state, task, inner, solved.steps)
+
+    def client_update(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult:
+        if self.inner.uses_shared_local_solver():
+            return super().client_update(message, state, task)  # -> local_finish above
+        inner = self.inner.client_update(message, self._inner_state(state), task)
+        steps = len(self.inner.client_plan(task))
+        return self._with_personal_step(message, state, task, inner, steps)
+
+    # -- the personal update (9) -----------------------------------------------------------
+    def _with_personal_step(
+        self,
+        message: Message,
+        state: State | None,
+        task: ClientTask,
+        inner: ClientResult,
+        global_steps: int,
+    ) -> ClientResult:
+        """The global algorithm's result, with omega_k moved by (9) in the client state."""
+        assert state is not None
+        personal, steps = self.personal_update(message, state["personal"], task, global_steps)
+        new_state: State = {"personal": personal, "steps": state["steps"] + steps}
+        inner_state = inner.state if inner.state is not None else self._inner_state(state)
+        if inner_state is not None:
+            new_state["inner"] = inner_state
+        return ClientResult(inner.upload, inner.weight, inner.loss, new_state, inner.info)
+
+    def personal_update(
+        self, message: Message, personal: State, task: ClientTask, global_steps: int
+    ) -> tuple[State, int]:
+        """Steps of (9): omega <- omega - eta_p (grad f_k(omega) + mu (omega - theta^t)), with
+        theta^t the broadcast model ``message['params']``."""
+        cfg, data = self.config, task.data
+        steps = cfg.personal_steps if cfg.personal_steps is not None else global_steps
+        plan = self.ctx.make_plan(data, steps, "ditto/personal", task.round, task.client_id)
+        anchor, mu = message["params"], cfg.mu
+
+        def prox(params: Tree) -> Tree | None:
+            return proximal_gradient(params, anchor, mu)
+
+        stream = seed_for(self.ctx.seed, "ditto/personal")  # dropout masks of (9)'s own
+        with self.ctx.model.random_stream(stream, task.round, task.client_id):
+            solved = local_sgd(
+                self.ctx.model,
+                personal["params"],
+                personal["buffers"],
+                data.x_train,
+                data.y_train,
+                plan,
+                cfg.personal_lr or task.lr,
+                prox,
+            )
+        return {"params": solved.params, "buffers": solved.buffers}, solved.steps
+
+    def deployed_model(
+        self, server: State, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """omega_k; a client without a personal step yet (never sampled, or a held-out new
+        client) deploys the global model theta instead of the initial omega_k^(0)."""
+        if state is None or int(state["steps"]) == 0:
+            model = self.global_model(server)
+            assert model is not None
+            return model
+        return state["personal"]["params"], state["personal"]["buffers"]

@@ -1,0 +1,112 @@
+"""FedPer (Arivazhagan et al., 2019, arXiv:1912.00818): federated learning with personalization
+layers; seed 004, section 3.2 (decoupled models phi_k = [psi, omega_k]); seed 000, FedCR section
+(FedCR with beta = 0 and deterministic features is FedPer).
+
+The model is split by its own declaration (``FedModel.head_modules``, see
+:mod:`fedloom.models.base`): the head (final classifier, the paper's personalization layers) and
+the body (every other parameter: the base layers, a feature extractor).
+
+- shared: the body's parameters (and the body's buffers, e.g. BatchNorm statistics). The server
+  keeps them, sends them, and averages the uploads with the engine's aggregation rule;
+- kept: each client's head (persistent client state, initialized from the initial model's
+  head), never uploaded: the upload, hence the communication bytes, holds only the body.
+
+One round::
+
+    client k: w_k <- [w_B, w_k^P]                     # local_start: server body, own head
+              local SGD on the whole network          # the shared local solver (vectorized)
+              upload w_k,B, keep w_k^P                # local_finish
+    server:   w_B <- sum_k p_k w_k,B / sum_k p_k      # aggregate (body only)
+
+with p_k = n_k / n (``weighting: samples``, the paper's FedAvg-style weights, the default) or
+1/K (``uniform``: the plain mean over reporting clients of FedCR's seed pseudocode).
+
+There is no global model (``has_global_model = False``): the body alone cannot classify, and an
+average of personal heads trained on different label sets is no principled head. Client k
+deploys [w_B, w_k^P]. A client that never trained (a held-out new client, ``eval.new_clients``,
+or one never sampled) deploys the body with the initial head; with ``finetune_steps`` > 0 it
+first trains that head for ``finetune_steps`` SGD steps on its own training data, the body
+frozen (minibatches from the stream (seed, round, client, 'finetune'), step ``finetune_lr``,
+default ``train.lr``): the personalization-layer training a new FedPer client does. The sharing
+pattern itself is :mod:`fedloom.algorithms.partial`, shared with FedBN.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, ClientTask, Weighting
+from fedloom.algorithms.partial import PartialSharing
+from fedloom.engine.pytree import Tree, clone
+from fedloom.errors import ConfigError
+
+
+class FedPerConfig(AlgorithmConfig):
+    weighting: Weighting = Field(
+        default="samples",
+        description="body averaging weights: samples n_k/n (the paper) or uniform 1/K",
+    )
+    finetune_steps: int = Field(
+        default=0, ge=0, description="head-only SGD steps of a never-trained client before use"
+    )
+    finetune_lr: float | None = Field(default=None, gt=0, description="default: train.lr")
+
+
+class FedPer(PartialSharing):
+    name = "fedper"
+    summary = "FedPer: shared body averaged by the server, personal heads stay on clients"
+    Config = FedPerConfig
+
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
+        module = ctx.model.module
+        head_keys = getattr(module, "head_keys", None)
+        self.head = set(head_keys()) if callable(head_keys) else set()
+        self.head_modules = tuple(getattr(module, "head_modules", ()))
+        super().__init__(config, ctx)
+        if not self.split.local_params or not self.split.shared_params:
+            missing = (
+                "a head" if not self.split.local_params else "a body (parameters outside the head)"
+            )
+            raise ConfigError(
+                f"algorithm.name: {self.name} shares the body and personalizes the head of the "
+                f"model (FedModel.head_modules), and {type(module).__name__} has no {missing}; "
+                "use e.g. model.name: mlp, cnn or char_lstm"
+            )
+
+    def local_keys(self) -> set[str]:
+        return self.head
+
+    def client_weight(self, task: ClientTask) -> float:
+        return self.ctx.objective_weight(task.client_id, self.config.weighting)
+
+    def fresh_client_model(
+        self, params: Tree, buffers: Tree, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """The body with the initial head, fine-tuned on the client's data when
+        ``finetune_steps`` > 0."""
+        if self.config.finetune_steps > 0:
+            params = self.finetune_head(params, buffers, task)
+        return params, buffers
+
+    def finetune_head(self, params: Tree, buffers: Tree, task: ClientTask) -> Tree:
+        """``finetune_steps`` SGD steps on the head only (body and buffers unchanged)."""
+        model, data, head = self.ctx.model, task.data, self.split.local_params
+        plan = self.ctx.make_plan(
+            data, self.config.finetune_steps, "finetune", task.round, task.client_id
+        )
+        lr = self.config.finetune_lr or self.ctx.lr
+        params = dict(params)
+        scratch = clone(buffers)  # BatchNorm in training mode updates them: not kept
+        model.module.train()
+        with model.random_stream(self.ctx.seed, task.round, task.client_id):
+            for idx in plan:
+                leaves = {k: params[k].detach().requires_grad_(True) for k in head}
+                with torch.enable_grad():
+                    loss = model.loss(
+                        {**params, **leaves}, scratch, data.x_train[idx], data.y_train[idx]
+                    )
+                    grads = torch.autograd.grad(loss, list(leaves.values()))
+                for k, g in zip(head, grads, strict=True):
+                    params[k] = leaves[k].detach() - lr * g
+        return params

@@ -1,0 +1,77 @@
+"""How much local work each sampled client does in a round (system heterogeneity).
+
+A client's budget is ``train.local_steps`` steps, or ``train.local_epochs`` passes over its data
+cut into ``train.batch_size`` minibatches; either may be a fixed number or a
+:class:`~fedloom.config.WorkDistribution` drawn per client (and per round). On top of that a
+fraction ``train.stragglers`` of each round's clients straggle, as in the FedProx paper
+(Li et al., MLSys 2020, section 5.2): with ``straggler_mode: partial`` a straggler completes a
+uniform draw from 1..S of its S steps; with ``drop`` it completes nothing and the server
+drops it (0 steps). Every draw comes from a seeded stream, so all executors and resumed runs
+see the same budgets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedloom.config import TrainConfig, WorkDistribution
+from fedloom.errors import ConfigError
+from fedloom.rng import NO_ID, generator
+
+
+def draw_work(spec: int | WorkDistribution, seed: int, round: int, client: int) -> int:
+    """The number of epochs or steps ``client`` does in ``round`` under ``spec``."""
+    if isinstance(spec, int):
+        return spec
+    if spec.kind == "per_client":
+        assert spec.values is not None
+        if not 0 <= client < len(spec.values):
+            raise ConfigError(
+                f"train local work: per_client values has {len(spec.values)} entries, "
+                f"but client {client} takes part (one value per client is needed)"
+            )
+        return spec.values[client]
+    gen = generator(seed, "work", round if spec.per == "round" else NO_ID, client)
+    if spec.kind == "uniform":
+        assert spec.low is not None and spec.high is not None
+        return int(torch.randint(spec.low, spec.high + 1, (1,), generator=gen))
+    assert spec.values is not None
+    probs = torch.tensor(spec.probs or [1.0] * len(spec.values), dtype=torch.float64)
+    return spec.values[int(torch.multinomial(probs, 1, generator=gen))]
+
+
+def steps_per_epoch(n: int, batch_size: int | None) -> int:
+    return 1 if batch_size is None else max(1, math.ceil(n / batch_size))
+
+
+def full_budget(train: TrainConfig, seed: int, round: int, client: int, n: int) -> int:
+    """Local steps ``client`` (holding ``n`` training samples) is asked to do in ``round``."""
+    if train.local_steps is not None:
+        return draw_work(train.local_steps, seed, round, client)
+    epochs = draw_work(train.local_epochs or 1, seed, round, client)
+    return epochs * steps_per_epoch(n, train.batch_size)
+
+
+def straggler_steps(
+    seed: int,
+    round: int,
+    clients: list[int],
+    full_steps: list[int],
+    fraction: float,
+    mode: str = "partial",
+) -> list[int]:
+    """Steps each client completes: floor(fraction * len(clients)) of them, chosen at random,
+    straggle and complete a uniform draw from 1..S of their S steps (``partial``) or none
+    (``drop``: the server will not hear from them this round)."""
+    if fraction <= 0 or not clients:
+        return list(full_steps)
+    gen = generator(seed, "stragglers", round)
+    num = math.floor(fraction * len(clients))
+    chosen = set(torch.randperm(len(clients), generator=gen)[:num].tolist())
+    steps = list(full_steps)
+    for i in sorted(chosen):
+        partial = int(torch.randint(1, max(1, full_steps[i]) + 1, (1,), generator=gen))
+        steps[i] = partial if mode == "partial" else 0
+    return steps

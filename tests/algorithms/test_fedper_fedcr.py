@@ -1,0 +1,384 @@
+"""FedPer and FedCR (seed 000, FedCR section, (20)-(23)): the body/head split, the bytes, the
+products of Gaussians (21)-(22) against direct density computations, the KL of (23), FedCR's
+reduction to FedPer, and learning on the shared Fashion-MNIST shards setup."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import fedloom
+from fedloom.algorithms import AlgorithmContext, ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms.fedcr import ClassStatistics, gaussian_kl
+from fedloom.config import parse_config
+from fedloom.data.load import load_dataset
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.local import PlanMaker
+from fedloom.engine.loop import Engine
+from fedloom.engine.pytree import weighted_average
+from fedloom.engine.rundir import RunDir
+from fedloom.errors import ConfigError
+from fedloom.models import MLP, build_model
+from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
+from tests.conftest import metrics_without_time
+
+
+def digits_config(algorithm: dict, **train) -> dict:
+    return {
+        "seed": 3,
+        "data": {
+            "name": "digits",
+            "num_clients": 6,
+            "partition": {"kind": "shards", "shards_per_client": 2},
+        },
+        "model": {"name": "mlp"},
+        "algorithm": algorithm,
+        "train": {
+            "rounds": 3,
+            "clients_per_round": 3,
+            "local_steps": 5,
+            "batch_size": 16,
+            "lr": 0.05,
+            **train,
+        },
+        "eval": {"every": 3, "new_clients": 1},
+        "executor": {"kind": "sequential"},
+    }
+
+
+def run(algorithm: dict, **train) -> fedloom.RunResult:
+    return fedloom.run(digits_config(algorithm, **train), write=False, progress=False)
+
+
+BODY = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+HEAD = ["fc3.weight", "fc3.bias"]
+
+
+# -- FedPer ---------------------------------------------------------------------------------
+def test_fedper_bodies_are_shared_and_heads_personal():
+    result = run({"name": "fedper"})
+    trained = list(range(5))  # client 5 is the held-out new client
+    models = result.client_params
+    for key in BODY:
+        for c in [*trained, 5]:
+            assert torch.equal(models[c][key], models[0][key]), (c, key)
+    # each trained head is its own; the new client deploys the initial head
+    init, _ = FunctionalModel(MLP((1, 8, 8), 10), "classification").initial_state(3)
+    heads = [torch.cat([models[c][k].flatten() for k in HEAD]) for c in trained]
+    for i in range(len(heads)):
+        for j in range(i + 1, len(heads)):
+            assert (heads[i] - heads[j]).abs().max() > 1e-3, (i, j)
+    for key in HEAD:
+        assert torch.equal(models[5][key], init[key])
+    assert result.global_params is None and result.summary["final"]["global"] is None
+
+
+def test_fedper_server_averages_bodies_with_sample_weights():
+    ctx = make_ctx()
+    algo = build_algorithm({"name": "fedper"}, ctx)
+    params, buffers = ctx.model.initial_state(0)
+    server = algo.init_server_state(params, buffers)
+    assert sorted(algo.server_message(server)["params"]) == sorted(BODY)
+    gen = torch.Generator().manual_seed(1)
+    bodies = [{k: torch.randn(v.shape, generator=gen) for k, v in server["params"].items()}]
+    bodies.append({k: torch.randn(v.shape, generator=gen) for k, v in server["params"].items()})
+    results = [
+        ClientResult({"params": b, "buffers": {}}, ctx.objective_weight(c, "samples"), 0.0)
+        for c, b in zip([0, 1], bodies, strict=True)
+    ]
+    new = algo.aggregate(server, results)
+    n0, n1 = ctx.population[0], ctx.population[1]
+    for k in BODY:
+        expected = (n0 * bodies[0][k] + n1 * bodies[1][k]) / (n0 + n1)
+        assert torch.allclose(new["params"][k], expected, atol=1e-6)
+    assert sorted(new["params"]) == sorted(BODY)
+
+
+def test_fedper_bytes_count_only_the_body():
+    result = run({"name": "fedper"}, stragglers=0.0)
+    model = MLP((1, 8, 8), 10)
+    body = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in BODY)
+    comm = result.summary["communication"]
+    assert comm["bytes_up"] == 3 * 3 * body  # rounds x reporters x body bytes
+    assert comm["bytes_down"] == 3 * 3 * body
+
+
+def test_fedper_new_client_finetunes_its_head_only():
+    plain = run({"name": "fedper"})
+    tuned = run({"name": "fedper", "finetune_steps": 10})
+    new = 5
+    for key in BODY:
+        assert torch.equal(tuned.client_params[new][key], plain.client_params[new][key])
+    assert (
+        tuned.client_params[new]["fc3.weight"] - plain.client_params[new]["fc3.weight"]
+    ).abs().max() > 1e-4
+    # trained clients are unaffected by the option
+    for key in [*BODY, *HEAD]:
+        assert torch.equal(tuned.client_params[0][key], plain.client_params[0][key])
+    assert (
+        tuned.summary["final"]["new_clients"]["accuracy_mean"]
+        > plain.summary["final"]["new_clients"]["accuracy_mean"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "key"),
+    [
+        ({"name": "fedper", "finetune_steps": -1}, "algorithm.finetune_steps"),
+        ({"name": "fedper", "weighting": "size"}, "algorithm.weighting"),
+        ({"name": "fedcr", "beta": -0.1}, "algorithm.beta"),
+        ({"name": "fedcr", "num_samples": 0}, "algorithm.num_samples"),
+        ({"name": "fedcr", "deterministic": True}, "algorithm.beta"),  # beta 1e-3 > 0
+        ({"name": "fedcr", "finetune_lr": 0}, "algorithm.finetune_lr"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_key(algorithm, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        run(algorithm)
+
+
+@pytest.mark.parametrize("name", ["fedper", "fedcr"])
+def test_a_model_without_body_is_refused(name):
+    config = digits_config({"name": name})
+    config["model"] = {"name": "logreg"}
+    with pytest.raises(ConfigError, match=r"algorithm\.name"):
+        fedloom.run(config, write=False, progress=False)
+
+
+# -- FedCR: the Gaussians ------------------------------------------------------------------
+def make_ctx(hidden: int = 200, num_classes: int = 10) -> AlgorithmContext:
+    model = FunctionalModel(MLP((1, 8, 8), num_classes, hidden=hidden), "classification")
+    return AlgorithmContext(
+        model=model,
+        seed=0,
+        num_clients=4,
+        lr=0.1,
+        batch_size=8,
+        aggregate=weighted_average,
+        make_plan=PlanMaker(0, 8),
+        population={0: 30, 1: 50, 2: 20, 3: 40},
+    )
+
+
+def grid_moments(log_density) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of an unnormalized 1-d log-density by quadrature on a fine grid."""
+    z = torch.linspace(-12.0, 12.0, 400_001, dtype=torch.float64)
+    logp = log_density(z)
+    w = torch.exp(logp - logp.max())
+    w = w / w.sum()
+    mean = (w * z).sum()
+    return mean, (w * (z - mean) ** 2).sum()
+
+
+def normal_logpdf(z, m, v):
+    return -0.5 * (z - m) ** 2 / v - 0.5 * math.log(2 * math.pi * v)
+
+
+def test_fedcr_server_poe_equals_the_product_of_prior_and_client_gaussians():
+    dim, classes = 3, 4
+    ctx = make_ctx(hidden=dim, num_classes=classes)
+    algo = build_algorithm({"name": "fedcr"}, ctx)
+    params, buffers = ctx.model.initial_state(0)
+    server = algo.init_server_state(params, buffers)
+    gen = torch.Generator().manual_seed(7)
+    # last round's statistics, arbitrary: class 3 is held by nobody this round
+    server["classes"] = {
+        "mean": torch.randn(classes, dim, generator=gen),
+        "var": torch.rand(classes, dim, generator=gen) + 0.1,
+    }
+    held = [[0, 1], [1, 2], [0, 1, 2]]  # each reporting client's classes
+    results = []
+    for ids in held:
+        up = {
+            "ids": torch.tensor(ids),
+            "mean": 2 * torch.randn(len(ids), dim, generator=gen),
+            "var": 0.05 + torch.rand(len(ids), dim, generator=gen),
+        }
+        body = {k: v.clone() for k, v in server["params"].items()}
+        upload = {"params": body, "buffers": {}, "variance": server["variance"], "classes": up}
+        results.append(ClientResult(upload, 0.25, 0.0))
+    new = algo.aggregate(server, results)
+    for c in range(3):
+        experts = [
+            (r.upload["classes"]["mean"][row], r.upload["classes"]["var"][row])
+            for r in results
+            for row, cid in enumerate(r.upload["classes"]["ids"].tolist())
+            if cid == c
+        ]
+        for d in range(dim):
+
+            def log_density(z, c=c, d=d, experts=experts):
+                total = normal_logpdf(z, 0.0, 1.0)  # the prior N(0, 1)
+                for m, v in experts:
+                    total = total + normal_logpdf(z, float(m[d]), float(v[d]))
+                return total
+
+            mean, var = grid_moments(log_density)
+            # measured: at most 1.0e-7 (the statistics are stored in float32)
+            assert float(new["classes"]["mean"][c, d]) == pytest.approx(float(mean), abs=1e-6)
+            assert float(new["classes"]["var"][c, d]) == pytest.approx(float(var), rel=1e-6)
+    # nobody held class 3: last round's statistics, bit for bit
+    assert torch.equal(new["classes"]["mean"][3], server["classes"]["mean"][3])
+    assert torch.equal(new["classes"]["var"][3], server["classes"]["var"][3])
+
+
+def test_fedcr_local_statistics_are_the_geometric_mean_product_of_experts():
+    dim, classes = 2, 3
+    gen = torch.Generator().manual_seed(3)
+    mu = 3 * torch.randn(9, dim, generator=gen)
+    var = 0.1 + torch.rand(9, dim, generator=gen)
+    y = torch.tensor([0, 2, 0, 0, 2, 2, 2, 0, 2])
+    stats = ClassStatistics(classes, dim)
+    stats.add(mu[:4], var[:4], y[:4])  # two minibatches
+    stats.add(mu[4:], var[4:], y[4:])
+    up = stats.upload(torch.float64)
+    assert up["ids"].tolist() == [0, 2]  # class 1 unseen: not uploaded
+    for row, c in enumerate([0, 2]):
+        members = (y == c).nonzero().flatten()
+        n = len(members)
+        for d in range(dim):
+
+            def log_density(z, members=members, d=d, n=n):
+                return sum(normal_logpdf(z, float(mu[i, d]), float(var[i, d])) / n for i in members)
+
+            mean, v = grid_moments(log_density)
+            # measured: at most 5.6e-16 (float64 statistics and quadrature)
+            assert float(up["mean"][row, d]) == pytest.approx(float(mean), abs=1e-10)
+            assert float(up["var"][row, d]) == pytest.approx(float(v), rel=1e-10)
+
+
+def test_fedcr_kl_is_the_analytic_kl_from_the_class_posterior_to_the_sample():
+    gen = torch.Generator().manual_seed(0)
+    m, mu = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    v, s2 = torch.rand(5, 4, generator=gen) + 0.1, torch.rand(5, 4, generator=gen) + 0.1
+    normal = torch.distributions.Normal
+    expected = torch.distributions.kl_divergence(normal(m, v.sqrt()), normal(mu, s2.sqrt()))
+    assert torch.allclose(gaussian_kl(m, v, mu, s2), expected.sum(-1), atol=1e-6)
+    # the direction matters: KL[p(z^c|x) || p(z|x_i)] differs from its reverse here
+    assert not torch.allclose(gaussian_kl(mu, s2, m, v), expected.sum(-1), atol=1e-2)
+
+
+# -- FedCR: the protocol -------------------------------------------------------------------
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_fedcr_with_beta_zero_and_deterministic_features_is_fedper(weighting):
+    base = {"weighting": weighting, "finetune_steps": 3}
+    fedper = run({"name": "fedper", **base})
+    fedcr = run({"name": "fedcr", "deterministic": True, "beta": 0.0, **base})
+    assert fedper.client_params.keys() == fedcr.client_params.keys()
+    for c, params in fedper.client_params.items():
+        for key, value in params.items():
+            # measured: bit-identical (same lean trainer, same operations)
+            assert torch.allclose(value, fedcr.client_params[c][key], atol=1e-6, rtol=0), (c, key)
+    assert fedper.summary["communication"] == fedcr.summary["communication"]
+
+
+def test_fedcr_bytes_count_body_variance_branch_and_the_held_classes_statistics():
+    # full participation and full batches: every client's window holds all its samples
+    config = digits_config({"name": "fedcr"}, clients_per_round=None, batch_size=None)
+    config["train"]["stragglers"] = 0.0
+    cfg = parse_config(config)
+    data = load_dataset(cfg.data, cfg.seed)
+    result = fedloom.run(config, data=data, write=False, progress=False)
+    model = MLP((1, 8, 8), 10)
+    body = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in BODY)
+    d = 200
+    variance = (d * d + d) * 4
+    comm = result.summary["communication"]
+    # down: body + variance branch + (mu^c, diag Sigma^c) of all 10 classes, to 5 clients
+    assert comm["bytes_down"] == 3 * 5 * (body + variance + 2 * 10 * d * 4)
+    # up: body + variance branch + (id, mu_i^c, diag Sigma_i^c) of each class the client holds
+    held = sum(len(set(data.clients[c].y_train.tolist())) for c in range(5))
+    assert comm["bytes_up"] == 3 * (5 * (body + variance) + held * (8 + 2 * d * 4))
+
+
+def test_fedcr_round_trains_the_shared_parts_and_reports_the_classes_it_saw():
+    cfg = parse_config(digits_config({"name": "fedcr"}))
+    data = load_dataset(cfg.data, cfg.seed)
+    ctx = make_ctx()
+    ctx.batch_size, ctx.make_plan = 16, PlanMaker(0, 16)
+    ctx.population = {c: data.clients[c].num_train for c in range(5)}
+    algo = build_algorithm({"name": "fedcr", "beta": 0.01}, ctx)
+    server = algo.init_server_state(*ctx.model.initial_state(0))
+    message = algo.server_message(server)
+    results, windows = [], []
+    for client in (0, 1):
+        task_data = data.clients[client]
+        # 20 steps, more than one epoch (ceil(n/16) steps): statistics from the last epoch only
+        plan = ctx.make_plan(task_data, 20, "batches", 1, client)
+        task = ClientTask(client, task_data, plan, 0.05, 1)
+        state = algo.init_client_state(server, client)
+        results.append(algo.client_update(message, state, task))
+        epoch = math.ceil(task_data.num_train / 16)
+        windows.append(torch.cat(plan[len(plan) - epoch :]))
+        assert results[-1].state["steps"] == 20
+        # the head is personal: in the state, not in the upload
+        assert sorted(results[-1].state["params"]) == sorted(HEAD)
+        assert sorted(results[-1].upload["params"]) == sorted(BODY)
+    for r, window, client in zip(results, windows, (0, 1), strict=True):
+        seen = sorted(set(data.clients[client].y_train[window].tolist()))
+        assert r.upload["classes"]["ids"].tolist() == seen
+        assert (r.upload["classes"]["var"] > 0).all()
+        # the variance branch was trained (it starts at V = 0, b = 0)
+        assert r.upload["variance"]["weight"].abs().max() > 0
+    new = algo.aggregate(server, results)
+    held = {c for r in results for c in r.upload["classes"]["ids"].tolist()}
+    for c in range(10):
+        changed = not torch.equal(new["classes"]["mean"][c], server["classes"]["mean"][c])
+        assert changed == (c in held), c
+    # PoE sharpens: every held class's variance is below the prior's 1
+    assert (new["classes"]["var"][sorted(held)] < 1).all()
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_fedcr_killed_and_resumed_equals_uninterrupted(tmp_path):
+    # the server state holds the variance branch and the class statistics, the client states
+    # the heads: all must survive a checkpoint
+    config = digits_config({"name": "fedcr", "beta": 0.01}, rounds=4, stragglers=0.3)
+    config["checkpoint"] = {"every": 2}
+    config["eval"] = {"every": 2, "new_clients": 1}
+    full = fedloom.run(config, out=tmp_path / "full", progress=False)
+
+    def crash_in_round_3(upload, client_id, round):
+        if round == 3:
+            raise Crash
+        return upload
+
+    cfg = parse_config(config)
+    data = load_dataset(cfg.data, cfg.seed)
+    run_dir = RunDir.create(tmp_path / "killed")
+    run_dir.write_config(cfg.to_yaml())
+    module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
+    with pytest.raises(Crash):
+        Engine(cfg, data, module, run_dir=run_dir, upload_transforms=[crash_in_round_3]).run()
+    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
+    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
+    for cid, params in full.client_params.items():
+        for key in params:
+            assert torch.equal(params[key], resumed.client_params[cid][key]), (cid, key)
+
+
+# -- learning on the shared personalized setup (tests/algorithms/pfl_setup.py) -------------
+@pytest.mark.slow
+def test_fedper_beats_fedavg_on_label_shards(data_root):
+    # Measured (seed 0): personalized mean 0.9548, P10 0.8978; FedAvg's global model on the
+    # same clients 0.6215.
+    result = run_pfl({"name": "fedper"})
+    accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
+    assert accuracy >= fedavg_accuracy_on_clients() + 0.30, accuracy
+
+
+@pytest.mark.slow
+def test_fedcr_beats_fedavg_on_label_shards(data_root):
+    # Half the rounds of the setup: FedCR's steps cost about 3x FedPer's (15 draws of z, the
+    # variance branch). Measured (seed 0): personalized mean 0.9307 after 10 rounds (0.9531,
+    # P10 0.8965 after the setup's 20); FedAvg's global model on the same clients 0.6215
+    # after 20.
+    result = run_pfl({"name": "fedcr"}, rounds=10)
+    accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
+    assert accuracy >= fedavg_accuracy_on_clients() + 0.25, accuracy
