@@ -9,7 +9,6 @@ learning on the shared Fashion-MNIST shards setup. Measured values are in the co
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -17,11 +16,8 @@ import torch
 import fedloom
 from fedloom.algorithms.apfl import APFL, APFLConfig
 from fedloom.algorithms.base import ClientTask
-from fedloom.config import parse_config
-from fedloom.data import load_dataset
 from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.loop import Engine
 from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
@@ -38,7 +34,7 @@ from tests.algorithms.oracle import (
     weights,
 )
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
-from tests.conftest import metrics_without_time
+from tests.resume import killed_and_resumed
 
 SIZES = [20, 40, 60, 100, 180]
 LOCAL_STEPS = 20
@@ -360,38 +356,12 @@ def test_vectorized_and_worker_executors_match_sequential(algorithm):
         )
 
 
-class Crash(RuntimeError):
-    pass
-
-
 @pytest.mark.parametrize("algorithm", VARIANTS, ids=lambda a: a["name"])
 def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, algorithm):
     """Every piece of state (omega_k, alpha_k, running averages, the global algorithm's states)
     is checkpointed: a run killed in round 5 and resumed from round 4 equals the full run."""
     config = {**QUADRATIC, "algorithm": algorithm, "executor": {"kind": "sequential"}}
-    full = fedloom.run(config, out=tmp_path / "full", progress=False)
-
-    def crash(upload, client_id, round):
-        if round == 5:
-            raise Crash
-        return upload
-
-    cfg = parse_config(config)
-    data = load_dataset(cfg.data, cfg.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(cfg.to_yaml())
-    module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
-    with pytest.raises(Crash):
-        Engine(cfg, data, module, run_dir=run_dir, upload_transforms=[crash]).run()
-    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
-    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
-    rows = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == len(full.history)
-    for key in full.global_params:
-        assert torch.equal(full.global_params[key], resumed.global_params[key])
-    for cid, params in full.client_params.items():
-        for key in params:
-            assert torch.equal(params[key], resumed.client_params[cid][key])
+    killed_and_resumed(config, tmp_path, crash_round=5)
 
 
 @pytest.mark.parametrize(

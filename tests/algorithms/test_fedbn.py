@@ -10,18 +10,14 @@ import torch
 
 import fedloom
 from fedloom.algorithms.fedbn import FedBN
-from fedloom.config import parse_config
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.load import load_dataset
 from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.loop import Engine
 from fedloom.engine.norm_calibration import calibrate_norm_stats
 from fedloom.engine.pytree import num_bytes, weighted_average
-from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
-from tests.conftest import metrics_without_time
-from tests.engine.test_determinism import Crash, _crash_at
+from tests.resume import killed_and_resumed
 
 ROTATION = {"kind": "rotation"}
 BN_LAYERS = ("bn1", "bn2")
@@ -282,17 +278,4 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path):
         eval={"every": 1, "new_clients": 1},
         checkpoint={"every": 2},
     )
-    full = fedloom.run(config_, out=tmp_path / "full", progress=False)
-    cfg = parse_config(config_)
-    data = load_dataset(cfg.data, cfg.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(cfg.to_yaml())
-    module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
-    engine = Engine(cfg, data, module, run_dir=run_dir, upload_transforms=[_crash_at(3)])
-    with pytest.raises(Crash):
-        engine.run()
-    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
-    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
-    for cid, params in full.client_params.items():
-        for key in params:
-            assert torch.equal(params[key], resumed.client_params[cid][key]), (cid, key)
+    killed_and_resumed(config_, tmp_path, crash_round=3)

@@ -10,15 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fedloom
 from fedloom.algorithms import AlgorithmContext, ClientResult, build_algorithm
-from fedloom.config import parse_config
-from fedloom.data import load_dataset
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import PlanMaker
-from fedloom.engine.loop import Engine
 from fedloom.engine.pytree import weighted_average
-from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
 from tests.algorithms.oracle import (
@@ -28,7 +23,7 @@ from tests.algorithms.oracle import (
     quadratic_data,
     run,
 )
-from tests.conftest import metrics_without_time
+from tests.resume import killed_and_resumed
 
 ADAPTIVE = ("fedadagrad", "fedyogi", "fedadam")
 
@@ -223,19 +218,6 @@ def test_invalid_hyperparameters_are_config_errors(data, algorithm, key):
 # -- resume ----------------------------------------------------------------------------------
 
 
-class Crash(RuntimeError):
-    pass
-
-
-def _crash_at(round_: int):
-    def transform(upload, client_id, round):
-        if round == round_:
-            raise Crash(f"killed in round {round}")
-        return upload
-
-    return transform
-
-
 def test_fedadam_killed_and_resumed_equals_uninterrupted(tmp_path):
     config = {
         "seed": 1,
@@ -247,22 +229,6 @@ def test_fedadam_killed_and_resumed_equals_uninterrupted(tmp_path):
         "checkpoint": {"every": 3},
         "executor": {"kind": "sequential"},
     }
-    full = fedloom.run(config, out=tmp_path / "full", progress=False)
-
-    cfg = parse_config(config)
-    data = load_dataset(cfg.data, cfg.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(cfg.to_yaml())
-    module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
-    engine = Engine(cfg, data, module, run_dir=run_dir, upload_transforms=[_crash_at(4)])
-    with pytest.raises(Crash):
-        engine.run()
-    assert [p.name for p in run_dir.checkpoints()][-1] == "round_000003.pt"
-    saved = run_dir.latest_checkpoint()
-    assert saved is not None and {"m", "v"} <= set(saved["server"])
+    _, _, saved = killed_and_resumed(config, tmp_path, crash_round=4)
+    assert saved["round"] == 3 and {"m", "v"} <= set(saved["server"])
     assert float(saved["server"]["m"]["linear.weight"].abs().sum()) > 0
-
-    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
-    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
-    for key in full.global_params:
-        assert torch.equal(full.global_params[key], resumed.global_params[key])

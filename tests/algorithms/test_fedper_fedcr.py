@@ -17,13 +17,11 @@ from fedloom.config import parse_config
 from fedloom.data.load import load_dataset
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import PlanMaker
-from fedloom.engine.loop import Engine
 from fedloom.engine.pytree import weighted_average
-from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
-from fedloom.models import MLP, build_model
+from fedloom.models import MLP
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
-from tests.conftest import metrics_without_time
+from tests.resume import killed_and_resumed
 
 
 def digits_config(algorithm: dict, **train) -> dict:
@@ -332,35 +330,13 @@ def test_fedcr_round_trains_the_shared_parts_and_reports_the_classes_it_saw():
     assert (new["classes"]["var"][sorted(held)] < 1).all()
 
 
-class Crash(RuntimeError):
-    pass
-
-
 def test_fedcr_killed_and_resumed_equals_uninterrupted(tmp_path):
     # the server state holds the variance branch and the class statistics, the client states
     # the heads: all must survive a checkpoint
     config = digits_config({"name": "fedcr", "beta": 0.01}, rounds=4, stragglers=0.3)
     config["checkpoint"] = {"every": 2}
     config["eval"] = {"every": 2, "new_clients": 1}
-    full = fedloom.run(config, out=tmp_path / "full", progress=False)
-
-    def crash_in_round_3(upload, client_id, round):
-        if round == 3:
-            raise Crash
-        return upload
-
-    cfg = parse_config(config)
-    data = load_dataset(cfg.data, cfg.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(cfg.to_yaml())
-    module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
-    with pytest.raises(Crash):
-        Engine(cfg, data, module, run_dir=run_dir, upload_transforms=[crash_in_round_3]).run()
-    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
-    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
-    for cid, params in full.client_params.items():
-        for key in params:
-            assert torch.equal(params[key], resumed.client_params[cid][key]), (cid, key)
+    killed_and_resumed(config, tmp_path, crash_round=3)
 
 
 # -- learning on the shared personalized setup (tests/algorithms/pfl_setup.py) -------------

@@ -312,17 +312,7 @@ def test_pfedme_config_is_validated(data):
 # -- checkpoints ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "algorithm", [{"name": "l2sgd"}, {"name": "pfedme"}], ids=lambda a: a["name"]
-)
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, algorithm):
-    """L2SGD's server keeps ``init`` and every client its theta_k; pFedMe its theta_k: a run
-    resumed from a checkpoint gives the same numbers (the engine test, on these two)."""
-    from tests.engine.test_determinism import (
-        test_killed_and_resumed_run_equals_uninterrupted as killed_and_resumed,
-    )
-
-    killed_and_resumed(tmp_path, algorithm)
+# (kill-and-resume for both: tests/engine/test_determinism.py)
 
 
 # -- learning (tests/algorithms/pfl_setup.py: Fashion-MNIST, 2 label shards per client) --------
