@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 import fedloom
@@ -55,6 +56,9 @@ def test_run_directory_holds_the_contract_files(tmp_path):
         "accuracy_min",
     }
     pers = summary["final"]["personalized"]
+    per_client = summary["final"]["client_accuracy"]  # every client's deployed model
+    assert sorted(per_client, key=int) == [str(c) for c in range(CONFIG["data"]["num_clients"])]
+    assert min(per_client.values()) == pytest.approx(pers["accuracy_min"])
     assert (
         0
         <= pers["accuracy_min"]

@@ -350,6 +350,12 @@ class Engine:
         }
         if last.get("new_clients"):
             summary["final"]["new_clients"] = last["new_clients"]
+        accuracy = last.get("client_accuracy")
+        if accuracy and len(accuracy) == len(self.train_ids):
+            # each client's deployed (personalized) model on its own held-out data
+            summary["final"]["client_accuracy"] = {
+                str(c): a for c, a in zip(self.train_ids, accuracy, strict=True)
+            }
         return summary
 
 
