@@ -77,6 +77,7 @@ from fedloom.algorithms.base import (
     Message,
     State,
     Weighting,
+    weighting_field,
 )
 from fedloom.engine.pytree import Tree, clone
 
@@ -103,9 +104,7 @@ class APFLConfig(AlgorithmConfig):
     final_averaging: bool = Field(
         default=False, description="deploy the (t + a)^2-weighted averages over rounds"
     )
-    weighting: Weighting = Field(
-        default="uniform", description="server average over S: uniform (pseudocode) or samples"
-    )
+    weighting: Weighting = weighting_field("uniform", "server average over S (pseudocode: uniform)")
 
     @model_validator(mode="after")
     def _schedule_options(self) -> APFLConfig:

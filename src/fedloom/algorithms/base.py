@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel
@@ -25,6 +25,13 @@ State = dict[str, Any]
 
 Weighting = Literal["uniform", "samples"]
 """Client weights p_k of the global objective sum_k p_k F_k: 1/K or n_k / n."""
+
+
+def weighting_field(default: Weighting, what: str) -> Any:
+    """The ``weighting`` hyperparameter every algorithm with a choice of client weights has:
+    ``uniform`` (1/K) or ``samples`` (n_k / n); ``what`` says what the weights weigh."""
+    return Field(default=default, description=f"{what}: uniform 1/K or samples n_k/n")
+
 
 Message = dict[str, Tree]
 """What travels between server and client, namespaced (``params``, ``buffers``, ``grad`` ...)."""

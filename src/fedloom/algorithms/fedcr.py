@@ -101,6 +101,7 @@ from fedloom.algorithms.base import (
     Message,
     State,
     Weighting,
+    weighting_field,
 )
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
 from fedloom.engine.pytree import Tree
@@ -112,9 +113,8 @@ MIN_SIGMA = 1e-8
 
 
 class FedCRConfig(FedPerConfig):
-    weighting: Weighting = Field(
-        default="uniform",
-        description="body averaging weights: uniform 1/K (the pseudocode's mean) or samples",
+    weighting: Weighting = weighting_field(
+        "uniform", "body averaging weights (pseudocode: uniform)"
     )
     deterministic: bool = Field(
         default=False, description="Sigma(x) = 0: z = mu, no variance branch (needs beta: 0)"

@@ -33,6 +33,7 @@ from fedloom.algorithms.base import (
     Message,
     State,
     Weighting,
+    weighting_field,
 )
 from fedloom.engine.local import LocalSolution
 from fedloom.engine.pytree import Tree, add, sub, zeros_like
@@ -45,9 +46,7 @@ class FedDynConfig(AlgorithmConfig):
         validation_alias=AliasChoices("mu", "alpha"),
         description="dynamic regularization coefficient (the paper's alpha: 0.1, 0.01, 0.001)",
     )
-    weighting: Weighting = Field(
-        default="uniform", description="objective weights p_k: uniform (paper) or samples"
-    )
+    weighting: Weighting = weighting_field("uniform", "objective weights p_k (paper: uniform)")
 
 
 class FedDyn(Algorithm):

@@ -36,17 +36,20 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, ClientTask, Weighting
+from fedloom.algorithms.base import (
+    AlgorithmConfig,
+    AlgorithmContext,
+    ClientTask,
+    Weighting,
+    weighting_field,
+)
 from fedloom.algorithms.partial import PartialSharing
 from fedloom.engine.pytree import Tree, clone
 from fedloom.errors import ConfigError
 
 
 class FedPerConfig(AlgorithmConfig):
-    weighting: Weighting = Field(
-        default="samples",
-        description="body averaging weights: samples n_k/n (the paper) or uniform 1/K",
-    )
+    weighting: Weighting = weighting_field("samples", "body averaging weights (paper: samples)")
     finetune_steps: int = Field(
         default=0, ge=0, description="head-only SGD steps of a never-trained client before use"
     )

@@ -79,6 +79,7 @@ from fedloom.algorithms.base import (
     Message,
     State,
     Weighting,
+    weighting_field,
 )
 from fedloom.engine.local import local_sgd
 from fedloom.engine.pytree import Tree, add, clone, num_bytes, scale
@@ -101,8 +102,8 @@ class PFedMacConfig(AlgorithmConfig):
         default=None, gt=0.0, description="step of the inner solver (default: train.lr)"
     )
     gamma: float = Field(default=0.0, ge=0.0, description="l1 coefficient of (18): sparsity")
-    weighting: Weighting = Field(
-        default="uniform", description="client weights in the means: uniform (paper) or samples"
+    weighting: Weighting = weighting_field(
+        "uniform", "client weights in the means (paper: uniform)"
     )
     hubs: list[int] | None = Field(
         default=None, description="hub of every client (three tiers); exclusive with num_hubs"

@@ -41,6 +41,7 @@ from fedloom.algorithms.base import (
     Message,
     State,
     Weighting,
+    weighting_field,
 )
 from fedloom.engine.local import local_sgd
 from fedloom.engine.proximal import proximal_gradient
@@ -56,9 +57,7 @@ class PFedMeConfig(AlgorithmConfig):
     beta: float = Field(
         default=1.0, gt=0.0, description="server step (7): 1 averages, > 1 extrapolates"
     )
-    weighting: Weighting = Field(
-        default="uniform", description="server weights of (7): uniform (paper) or samples"
-    )
+    weighting: Weighting = weighting_field("uniform", "server weights of (7) (paper: uniform)")
 
 
 class PFedMe(Algorithm):

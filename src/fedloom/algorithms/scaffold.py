@@ -32,6 +32,7 @@ from fedloom.algorithms.base import (
     Message,
     State,
     Weighting,
+    weighting_field,
 )
 from fedloom.engine.local import LocalSolution
 from fedloom.engine.pytree import Tree, add, clone, sub, zeros_like
@@ -42,9 +43,7 @@ class ScaffoldConfig(AlgorithmConfig):
         default="II", description="control update: I = gradient at x, II = from the trajectory"
     )
     server_lr: float = Field(default=1.0, gt=0.0, description="global step size eta_g")
-    weighting: Weighting = Field(
-        default="uniform", description="objective weights p_i: uniform (paper) or samples"
-    )
+    weighting: Weighting = weighting_field("uniform", "objective weights p_i (paper: uniform)")
 
 
 class Scaffold(Algorithm):
