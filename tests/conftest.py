@@ -21,5 +21,9 @@ def data_root() -> Path:
     return path
 
 
+TIMINGS = {"wall_seconds", "seconds"}
+"""Metrics-row keys that hold measured times (they differ between identical runs)."""
+
+
 def metrics_without_time(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k != "wall_seconds"} for row in history]
+    return [{k: v for k, v in row.items() if k not in TIMINGS} for row in history]

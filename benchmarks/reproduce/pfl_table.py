@@ -1,5 +1,6 @@
-"""The weak-consensus personalization table: every personalized algorithm of seed 000 (and
-FedPer, FedAvg + fine-tuning, local-only) on one Fashion-MNIST setup, in one process.
+"""The personalization table: every personalized algorithm (seed 000's weak-consensus family,
+FedPer, FedAvg + fine-tuning, local-only, and seed 004's meta-learning, decoupled,
+function-space and label-shift algorithms) on one Fashion-MNIST setup, in one process.
 
 Setup (tests/algorithms/pfl_setup.py): 20 clients with 2 label shards each, 10 sampled per round,
 the 2NN, 20 local steps of batch 32, 20 rounds. For each algorithm: global accuracy (its global
@@ -39,6 +40,27 @@ RUNS: list[tuple[str, dict, dict]] = [
     ("fpfc deploy cluster", {"name": "fpfc", "deploy": "cluster"}, {}),
     ("fedper", {"name": "fedper"}, {}),
     ("fedcr", {"name": "fedcr"}, {}),
+    # issue #5: meta-learning, decoupling, function-space regularization, label shift
+    ("perfedavg hf", {"name": "perfedavg", "variant": "hf"}, {}),
+    ("perfedavg fo", {"name": "perfedavg", "variant": "fo"}, {}),
+    ("reptile", {"name": "reptile"}, {}),
+    ("fedrep", {"name": "fedrep", "head_steps": 10}, {}),
+    ("lgfedavg", {"name": "lgfedavg"}, {}),
+    ("fedproto", {"name": "fedproto"}, {}),
+    ("fedntd", {"name": "fedntd"}, {}),
+    ("fedlc", {"name": "fedlc"}, {}),
+    ("fedgen", {"name": "fedgen"}, {}),
+    ("pfedhn", {"name": "pfedhn"}, {}),
+    (
+        "pfedhn tuned",
+        {"name": "pfedhn", "hidden_layers": 1, "momentum": 0.5, "hn_lr": 0.05},
+        {},
+    ),
+    (
+        "ditto mu cosine 1 -> 0.01",
+        {"name": "ditto", "mu": 1.0, "mu_schedule": {"kind": "cosine"}},
+        {},
+    ),
 ]
 
 

@@ -127,6 +127,68 @@ def summary(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) ->
     typer.echo(json.dumps(json.loads(path.read_text()), indent=2))
 
 
+@app.command()
+def compare(
+    run_dirs: Annotated[list[Path], typer.Argument(help="the run directories to overlay")],
+    out: Annotated[
+        Path, typer.Option(help="the page to write (a folder: FOLDER/compare.html)")
+    ] = Path("compare.html"),
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """Overlay runs on one offline page (accuracy, loss, bytes, time, cold start) with a
+    table of their summaries."""
+    from fedloom.report.compare import write_comparison
+
+    try:
+        path = write_comparison(run_dirs, out)
+    except Exception as err:
+        _fail(err, debug)
+        return
+    typer.echo(str(path))
+
+
+@app.command()
+def dashboard(
+    runs_dir: Annotated[Path, typer.Argument(help="the folder that holds run directories")] = Path(
+        "runs"
+    ),
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port")] = 8765,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    allow_remote: Annotated[
+        bool, typer.Option(help="allow a non-loopback --host (no login: anyone can read)")
+    ] = False,
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """Serve a local web app: the runs in RUNS_DIR, each run's report panels updating live
+    while it trains, and a comparison of selected runs. Ctrl+C stops it."""
+    from fedloom.dashboard import check_host, serve
+    from fedloom.errors import RunDirError
+
+    try:
+        check_host(host, allow_remote)
+        if (runs_dir / "config.yaml").is_file():
+            parent = runs_dir.resolve().parent
+            raise RunDirError(
+                f"'{runs_dir}' is a run directory; give the folder that holds runs, "
+                f"e.g. `fedloom dashboard {parent}`"
+            )
+        serve(
+            runs_dir,
+            host,
+            port,
+            allow_remote=allow_remote,
+            announce=lambda url: err_console.print(
+                f"fedloom dashboard of {runs_dir.resolve()} on {url} (Ctrl+C stops it)",
+                highlight=False,
+                soft_wrap=True,
+            ),
+        )
+    except KeyboardInterrupt:
+        return
+    except Exception as err:
+        _fail(err, debug)
+
+
 def main() -> None:
     try:
         app()

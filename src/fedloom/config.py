@@ -19,6 +19,7 @@ from pydantic import (
     PositiveInt,
     Tag,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -140,7 +141,21 @@ class TrainConfig(StrictModel):
 class EvalConfig(StrictModel):
     every: int = Field(default=5, ge=1)
     new_clients: int = Field(default=0, ge=0)
+    """Clients held out of training entirely; evaluated every round as they would be served,
+    and at the end by the cold-start evaluation (accuracy vs adaptation steps)."""
     batch_size: int = Field(default=1024, ge=1)
+    adaptation_steps: list[int] = Field(default=[0, 1, 5, 20], min_length=1)
+    """Cold start: a new client's accuracy after each of these many fine-tuning steps."""
+    adapt_lr: float | None = Field(default=None, gt=0)
+    """Cold start step size (default: the algorithm's own, e.g. Per-FedAvg's alpha, else
+    train.lr)."""
+
+    @field_validator("adaptation_steps")
+    @classmethod
+    def _sorted_steps(cls, steps: list[int]) -> list[int]:
+        if any(s < 0 for s in steps):
+            raise ValueError("adaptation steps must be >= 0")
+        return sorted(set(steps))
 
 
 class CheckpointConfig(StrictModel):
@@ -164,6 +179,55 @@ class StateConfig(StrictModel):
     run directory's ``state/`` (for very many clients)."""
 
 
+class AlertConfig(StrictModel):
+    """Thresholds of the report's and the dashboard's alert rules (seed 004, 5.2)."""
+
+    loss_patience: int = Field(default=5, ge=2)
+    """Evaluations in a row without a new lowest loss (global, else training loss)."""
+    p10_min: float | None = Field(default=0.65, ge=0.0, le=1.0)
+    """Personalized accuracy P10 below this (the seed's 'P10 < 0.65'); null: off."""
+    update_norm_growth: float = Field(default=10.0, gt=1.0)
+    """Median update norm above this multiple of its first value (exploding updates)."""
+    update_norm_decay: float = Field(default=1e-3, gt=0.0, lt=1.0)
+    """Median update norm below this fraction of its first value (vanishing updates)."""
+    zeta_jump: float = Field(default=2.0, gt=0.0)
+    """Gradient dissimilarity zeta^2 rising by more than this fraction between evaluations
+    (2.0: the seed's '> 200%')."""
+    communication_budget_mb: float | None = Field(default=None, gt=0.0)
+    """Total MB up + down the run may use; null: no budget."""
+    cold_start_steps: int = Field(default=20, ge=0)
+    """New clients should reach ``cold_start_target`` within this many adaptation steps."""
+    cold_start_target: float = Field(default=0.9, gt=0.0, le=1.0)
+    """... of the trained clients' mean personalized accuracy."""
+    epsilon_max: float = Field(default=10.0, gt=0.0)
+    """Privacy budget epsilon above this (when a privacy mechanism reports one)."""
+
+
+class MonitorConfig(StrictModel):
+    """What the engine records for training health every evaluated round
+    (engine/monitoring.py)."""
+
+    enabled: bool = True
+    clients: int = Field(default=10, ge=2)
+    """At most this many clients enter the cosine matrix and zeta^2 (a fixed sample)."""
+    gradient_dissimilarity: bool = True
+    """Compute zeta^2 (gradients of the sampled clients at the global model)."""
+    gradient_samples: int | None = Field(default=256, ge=1)
+    """Training samples per client (a fixed random subset) of zeta^2's gradients; null: all."""
+    alerts: AlertConfig = Field(default_factory=AlertConfig)
+
+
+class TrackingConfig(StrictModel):
+    """Optional exporters of the per-round metrics to other tools."""
+
+    tensorboard: bool = False
+    """Scalars under <run dir>/tensorboard (needs the ``tensorboard`` package)."""
+    mlflow: str | None = None
+    """An MLflow tracking URI (e.g. file:./mlruns or http://127.0.0.1:5000); needs ``mlflow``."""
+    experiment: str = "fedloom"
+    """MLflow experiment name."""
+
+
 class RunConfig(StrictModel):
     seed: int = 0
     data: DataConfig = Field(default_factory=DataConfig)
@@ -174,6 +238,8 @@ class RunConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     state: StateConfig = Field(default_factory=StateConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _algorithm_named(self) -> RunConfig:

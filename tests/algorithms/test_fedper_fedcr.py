@@ -11,45 +11,19 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.algorithms import AlgorithmContext, ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
 from fedloom.algorithms.fedcr import ClassStatistics, gaussian_kl
 from fedloom.config import parse_config
 from fedloom.data.load import load_dataset
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from tests.algorithms.digits_setup import digits_config
+from tests.algorithms.digits_setup import digits_ctx as make_ctx
+from tests.algorithms.digits_setup import run_digits as run
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 from tests.resume import killed_and_resumed
-
-
-def digits_config(algorithm: dict, **train) -> dict:
-    return {
-        "seed": 3,
-        "data": {
-            "name": "digits",
-            "num_clients": 6,
-            "partition": {"kind": "shards", "shards_per_client": 2},
-        },
-        "model": {"name": "mlp"},
-        "algorithm": algorithm,
-        "train": {
-            "rounds": 3,
-            "clients_per_round": 3,
-            "local_steps": 5,
-            "batch_size": 16,
-            "lr": 0.05,
-            **train,
-        },
-        "eval": {"every": 3, "new_clients": 1},
-        "executor": {"kind": "sequential"},
-    }
-
-
-def run(algorithm: dict, **train) -> fedloom.RunResult:
-    return fedloom.run(digits_config(algorithm, **train), write=False, progress=False)
-
 
 BODY = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 HEAD = ["fc3.weight", "fc3.bias"]
@@ -147,20 +121,6 @@ def test_a_model_without_body_is_refused(name):
 
 
 # -- FedCR: the Gaussians ------------------------------------------------------------------
-def make_ctx(hidden: int = 200, num_classes: int = 10) -> AlgorithmContext:
-    model = FunctionalModel(MLP((1, 8, 8), num_classes, hidden=hidden), "classification")
-    return AlgorithmContext(
-        model=model,
-        seed=0,
-        num_clients=4,
-        lr=0.1,
-        batch_size=8,
-        aggregate=weighted_average,
-        make_plan=PlanMaker(0, 8),
-        population={0: 30, 1: 50, 2: 20, 3: 40},
-    )
-
-
 def grid_moments(log_density) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and variance of an unnormalized 1-d log-density by quadrature on a fine grid."""
     z = torch.linspace(-12.0, 12.0, 400_001, dtype=torch.float64)

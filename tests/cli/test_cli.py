@@ -108,6 +108,7 @@ def test_set_overrides_and_run_directory(tmp_path):
     assert resolved["train"]["rounds"] == 3 and resolved["algorithm"] == {
         "name": "fedprox",
         "mu": 0.01,
+        "mu_schedule": {"kind": "constant", "min": 0.01},
     }
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algorithm"] == "fedprox" and summary["rounds"] == 3

@@ -24,6 +24,18 @@ CONFIG: dict[str, Any] = {
     "train": {"rounds": 50, "batch_size": 32, "lr": 0.05, "eval_every": 5},
     "executor": {"kind": "sequential"},
 }
+COLD_START: dict[str, Any] = {
+    "clients": 4,
+    "lr": 0.05,
+    "steps": [0, 1, 5, 20],
+    "loss_mean": [2.1, 1.4, 0.9, 0.6],
+    "accuracy_mean": [0.31, 0.52, 0.71, 0.83],
+    "accuracy_p10": [0.12, 0.35, 0.58, 0.74],
+    "accuracy_p50": [0.30, 0.53, 0.72, 0.84],
+    "accuracy_p90": [0.48, 0.69, 0.85, 0.93],
+    "accuracy_min": [0.08, 0.31, 0.55, 0.71],
+}
+"""summary.json's ``cold_start`` of a run with held-out new clients."""
 MakeRun = Callable[..., Path]  # the make_run fixture
 BYTES_PER_ROUND = 10 * 178_110 * 4
 
@@ -44,6 +56,7 @@ def make_rows(
     client_accuracy: bool = True,
     new_clients: bool = False,
     every: int = 5,
+    monitor: bool = True,
 ) -> list[dict[str, Any]]:
     """Metrics rows as the engine writes them, for rounds every, 2*every, ..."""
     rng = random.Random(0)
@@ -82,6 +95,32 @@ def make_rows(
                 "bytes_down": BYTES_PER_ROUND * rnd,
             },
         }
+        if monitor:
+            norms = [0.5 * math.exp(-rnd / 40) * (1 + 0.3 * s) for s in skill[:8]]
+            row["monitor"] = {
+                "update_norm": {
+                    "min": min(norms),
+                    "p10": _quantile(norms, 0.1),
+                    "p50": _quantile(norms, 0.5),
+                    "p90": _quantile(norms, 0.9),
+                    "max": max(norms),
+                    "mean": sum(norms) / len(norms),
+                },
+                "client_update_norm": {str(c): n for c, n in enumerate(norms)},
+                "cosine": {
+                    "clients": list(range(8)),
+                    "matrix": [
+                        [1.0 if i == j else 0.6 - 0.15 * abs(i - j) for j in range(8)]
+                        for i in range(8)
+                    ],
+                },
+                "zeta2": 3.0 * math.exp(-rnd / 25) + 0.4,
+            }
+            row["seconds"] = {"round": 1.2 + rng.uniform(0, 0.1), "monitor": 0.05}
+            row["communication"] |= {
+                "bytes_up_round": BYTES_PER_ROUND,
+                "bytes_down_round": BYTES_PER_ROUND,
+            }
         if new_clients:
             row["new_clients"] = {k: v and v * 0.97 for k, v in personalized.items()}
         if client_accuracy:
@@ -122,10 +161,18 @@ def make_run_dir(
                     "communication": last["communication"],
                     "wall_seconds": last["wall_seconds"],
                     "seconds_per_round": last["wall_seconds"] / last["round"],
+                    **({"cold_start": COLD_START} if "new_clients" in last else {}),
                 }
             ),
             encoding="utf-8",
         )
+    if label_histogram and rows and "monitor" in rows[0]:
+        n = config["data"]["num_clients"]
+        heterogeneity = {
+            "label_kl": {str(c): 0.2 + 0.05 * (c % 7) for c in range(n)},
+            "feature_js": {str(c): 0.001 + 0.0004 * (c % 5) for c in range(n)},
+        }
+        (path / "heterogeneity.json").write_text(json.dumps(heterogeneity), encoding="utf-8")
     if label_histogram:
         rng = random.Random(1)
         n = config["data"]["num_clients"]

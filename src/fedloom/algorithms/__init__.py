@@ -21,16 +21,25 @@ from fedloom.algorithms.fedavg_ft import FedAvgFT
 from fedloom.algorithms.fedbn import FedBN
 from fedloom.algorithms.fedcr import FedCR
 from fedloom.algorithms.feddyn import FedDyn
+from fedloom.algorithms.fedgen import FedGen
+from fedloom.algorithms.fedlc import FedLC
 from fedloom.algorithms.fednova import FedNova
+from fedloom.algorithms.fedntd import FedNTD
 from fedloom.algorithms.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from fedloom.algorithms.fedper import FedPer
+from fedloom.algorithms.fedproto import FedProto
 from fedloom.algorithms.fedprox import FedProx
+from fedloom.algorithms.fedrep import FedRep
 from fedloom.algorithms.fedsgd import FedSGD
 from fedloom.algorithms.fpfc import FPFC
 from fedloom.algorithms.l2sgd import L2SGD
+from fedloom.algorithms.lgfedavg import LGFedAvg
 from fedloom.algorithms.local import LocalOnly
+from fedloom.algorithms.perfedavg import PerFedAvg
+from fedloom.algorithms.pfedhn import PFedHN
 from fedloom.algorithms.pfedmac import PFedMac
 from fedloom.algorithms.pfedme import PFedMe
+from fedloom.algorithms.reptile import Reptile
 from fedloom.algorithms.scaffold import Scaffold
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
@@ -59,6 +68,15 @@ for _cls in (
     APFL,
     PFedMac,
     FPFC,
+    FedRep,
+    LGFedAvg,
+    FedProto,
+    FedNTD,
+    PFedHN,
+    PerFedAvg,
+    Reptile,
+    FedLC,
+    FedGen,
 ):
     ALGORITHMS.add(_cls.name, _cls)
 

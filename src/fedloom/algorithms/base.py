@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import LocalSolution, PlanMaker, local_sgd
+from fedloom.engine.objective_sgd import BatchObjective, objective_sgd
 from fedloom.engine.pytree import Tree, num_bytes
+from fedloom.errors import ConfigError
 
 State = dict[str, Any]
 """A server's or client's persistent state: a (nested) dict of tensors and trees."""
@@ -84,6 +86,8 @@ class AlgorithmContext:
     """(trees, weights) -> tree: weighted mean unless a robust rule replaces it."""
     make_plan: PlanMaker
     """(client_data, num_steps, purpose, round, client_id) -> minibatch index tensors."""
+    rounds: int = 1
+    """train.rounds: the horizon T of round schedules (algorithms/schedule.py)."""
     population: dict[int, int] = field(default_factory=dict)
     """Training samples of every training client (held-out new clients excluded): the
     weights of the global objective sum_k p_k F_k."""
@@ -118,6 +122,11 @@ class Algorithm:
 
     def server_message(self, server: State) -> Message:
         return {"params": server["params"], "buffers": server["buffers"]}
+
+    def round_message(self, server: State, round: int) -> Message:
+        """The message of round ``round`` (default: ``server_message``; FedProx adds its
+        scheduled mu)."""
+        return self.server_message(server)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         raise NotImplementedError
@@ -220,7 +229,85 @@ class Algorithm:
         assert model is not None, f"{self.name} must override deployed_model"
         return model
 
+    # -- monitoring -------------------------------------------------------------------------
+    def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
+        """What a client's round moved, for the update norms and cosine similarities of the
+        monitoring (engine/monitoring.py): the uploaded ``params`` minus the broadcast ones
+        on the keys both have, an uploaded ``delta``, or minus an uploaded gradient; None
+        when the upload holds no model-shaped update (FedProto's prototypes)."""
+        upload = result.upload
+        if "delta" in upload:
+            return upload["delta"]
+        if "grad" in upload:
+            return {k: -g for k, g in upload["grad"].items()}
+        if "params" in upload and "params" in message:
+            sent = message["params"]
+            common = [k for k in upload["params"] if k in sent]
+            if common:
+                return {k: upload["params"][k] - sent[k] for k in common}
+        return None
+
+    # -- serving a client that never trained (cold start, ``eval.new_clients``) -----------
+    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
+        """Where a new client starts: adaptation step 0 of the cold-start evaluation (default:
+        the global model; without one, what a client with fresh state deploys). pFedHN
+        generates it from an embedding fitted on the client's data."""
+        model = self.global_model(server)
+        if model is not None:
+            return model
+        state = self.init_client_state(server, task.client_id)
+        return self.deployed_model(server, state, task)
+
+    def adaptation_keys(self) -> list[str] | None:
+        """The parameters a new client fine-tunes in the cold-start evaluation (None: all;
+        FedPer and FedRep: the head)."""
+        return None
+
+    def adaptation_lr(self) -> float | None:
+        """Step size of a new client's fine-tuning when ``eval.adapt_lr`` is not set (None:
+        ``train.lr``; Per-FedAvg: its inner step size alpha, the step it meta-learned for)."""
+        return None
+
     # -- shared pieces --------------------------------------------------------------------
+    def require_classification(self, why: str) -> None:
+        """A clear ConfigError unless the task is classification (``why`` it must be)."""
+        task = self.ctx.model.task
+        if task != "classification":
+            raise ConfigError(
+                f"algorithm.name: {self.name} needs a classification task ({why}), got {task}"
+            )
+
+    @staticmethod
+    def upload_weight(task: ClientTask, weighting: str) -> float:
+        """FedAvg-style aggregation weight of a client: n_k (``samples``) or 1 (``uniform``)."""
+        return float(task.data.num_train) if weighting == "samples" else 1.0
+
+    def solve_objective(
+        self,
+        message: Message,
+        state: State | None,
+        task: ClientTask,
+        objective: BatchObjective | None,
+        head: str | None = None,
+    ) -> LocalSolution:
+        """The round's local SGD (from ``local_start``, on ``client_plan`` at ``local_lr``) on a
+        custom minibatch objective (engine/objective_sgd.py), in the client's dropout stream:
+        the client solver of FedNTD, FedLC, FedGen, FedProto."""
+        params, buffers = self.local_start(message, state, task)
+        data, model = task.data, self.ctx.model
+        with model.random_stream(self.ctx.seed, task.round, task.client_id):
+            return objective_sgd(
+                model,
+                params,
+                buffers,
+                data.x_train,
+                data.y_train,
+                self.client_plan(task),
+                self.local_lr(task),
+                objective,
+                head=head,
+            )
+
     def average_buffers(
         self, server: State, results: list[ClientResult], weights: list[float]
     ) -> Tree:

@@ -30,6 +30,9 @@ as the pseudocode initializes all clients at the start, also for one first sampl
 client without a personal step (never sampled, or a held-out new client) deploys the global
 model theta.
 
+``mu_schedule`` decays mu over the rounds (seed 004, 4.2-4.3: strong alignment early, room to
+personalize late; algorithms/schedule.py): round t uses mu_t in (9).
+
 As in the paper's Algorithm 1, which runs s local iterations for both problems, the personal
 problem gets as many steps as the global update completed (so a straggler doing partial work
 does as many fewer); ``personal_steps`` fixes the number instead (``personal_steps: 1`` is the
@@ -59,6 +62,7 @@ from fedloom.algorithms.base import (
     Message,
     State,
 )
+from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.engine.local import LocalSolution, local_sgd
 from fedloom.engine.proximal import proximal_gradient
 from fedloom.engine.pytree import Tree, clone
@@ -111,6 +115,7 @@ class DittoConfig(AlgorithmConfig):
         validation_alias=AliasChoices("mu", "lam"),
         description="proximal coefficient of (8)-(9), the paper's lambda (0 = local training)",
     )
+    mu_schedule: Schedule = schedule_field("mu")
     personal_steps: int | None = Field(
         default=None, ge=1, description="steps of (9) per round (default: the global update's)"
     )
@@ -148,6 +153,9 @@ class Ditto(Algorithm):
 
     def server_message(self, server: State) -> Message:
         return self.inner.server_message(server["inner"])
+
+    def round_message(self, server: State, round: int) -> Message:
+        return self.inner.round_message(server["inner"], round)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return {**server, "inner": self.inner.aggregate(server["inner"], results)}
@@ -238,7 +246,7 @@ class Ditto(Algorithm):
         cfg, data = self.config, task.data
         steps = cfg.personal_steps if cfg.personal_steps is not None else global_steps
         plan = self.ctx.make_plan(data, steps, "ditto/personal", task.round, task.client_id)
-        anchor, mu = message["params"], cfg.mu
+        anchor, mu = message["params"], cfg.mu_schedule.at(cfg.mu, task.round, self.ctx.rounds)
 
         def prox(params: Tree) -> Tree | None:
             return proximal_gradient(params, anchor, mu)

@@ -84,9 +84,7 @@ neither is done here.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +102,7 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
+from fedloom.engine.objective_sgd import head_input
 from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 from fedloom.rng import generator
@@ -173,21 +172,6 @@ class ClassStatistics:
         }
 
 
-@contextlib.contextmanager
-def head_input(head: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """Inside the block, ``store['h']`` is the input of ``head``'s latest forward call."""
-    store: dict[str, torch.Tensor] = {}
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        store["h"] = args[0]
-
-    handle = head.register_forward_pre_hook(hook)
-    try:
-        yield store
-    finally:
-        handle.remove()
-
-
 class FedCR(FedPer):
     name = "fedcr"
     summary = "FedCR: FedPer with a stochastic representation aligned class-wise across clients"
@@ -203,11 +187,7 @@ class FedCR(FedPer):
                 f"algorithm.name: fedcr needs a model whose head (FedModel.head_modules) is one "
                 f"nn.Linear layer, and {type(module).__name__}'s is {heads}"
             )
-        if ctx.model.task != "classification":
-            raise ConfigError(
-                "algorithm.name: fedcr needs a classification task (class-wise "
-                f"statistics), got {ctx.model.task}"
-            )
+        self.require_classification("class-wise statistics")
         self.head_name = heads[0]
         self.dim = head.in_features
         self.num_classes = head.out_features

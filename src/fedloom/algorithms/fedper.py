@@ -33,18 +33,19 @@ pattern itself is :mod:`fedloom.algorithms.partial`, shared with FedBN.
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from fedloom.algorithms.base import (
     AlgorithmConfig,
     AlgorithmContext,
     ClientTask,
+    State,
     Weighting,
     weighting_field,
 )
 from fedloom.algorithms.partial import PartialSharing
-from fedloom.engine.pytree import Tree, clone
+from fedloom.engine.objective_sgd import objective_sgd
+from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 
 
@@ -92,24 +93,27 @@ class FedPer(PartialSharing):
             params = self.finetune_head(params, buffers, task)
         return params, buffers
 
+    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
+        """The body with the initial head, untuned: the cold-start evaluation fine-tunes the
+        head itself, step by step."""
+        return self.initial_client_model(server)
+
     def finetune_head(self, params: Tree, buffers: Tree, task: ClientTask) -> Tree:
         """``finetune_steps`` SGD steps on the head only (body and buffers unchanged)."""
-        model, data, head = self.ctx.model, task.data, self.split.local_params
+        model, data = self.ctx.model, task.data
         plan = self.ctx.make_plan(
             data, self.config.finetune_steps, "finetune", task.round, task.client_id
         )
         lr = self.config.finetune_lr or self.ctx.lr
-        params = dict(params)
-        scratch = clone(buffers)  # BatchNorm in training mode updates them: not kept
-        model.module.train()
         with model.random_stream(self.ctx.seed, task.round, task.client_id):
-            for idx in plan:
-                leaves = {k: params[k].detach().requires_grad_(True) for k in head}
-                with torch.enable_grad():
-                    loss = model.loss(
-                        {**params, **leaves}, scratch, data.x_train[idx], data.y_train[idx]
-                    )
-                    grads = torch.autograd.grad(loss, list(leaves.values()))
-                for k, g in zip(head, grads, strict=True):
-                    params[k] = leaves[k].detach() - lr * g
-        return params
+            solved = objective_sgd(
+                model,
+                params,
+                buffers,
+                data.x_train,
+                data.y_train,
+                plan,
+                lr,
+                trainable=self.split.local_params,
+            )
+        return {**params, **{k: solved.params[k] for k in self.split.local_params}}

@@ -3,20 +3,26 @@
 Each client approximately minimizes h_k(w; w_t) = F_k(w) + mu/2 ||w - w_t||^2 with the same
 local SGD as FedAvg; the proximal term adds mu (w - w_t) to every step's gradient. mu = 0 is
 FedAvg exactly. The server aggregates as FedAvg does.
+
+``mu_schedule`` lets mu decay from ``mu`` over the rounds (seed 004, 4.3; algorithms/schedule.py);
+a scheduled mu travels in the round's message (8 bytes), so every executor applies the same one.
 """
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 
 from fedloom.algorithms.base import AlgorithmConfig, Message, State
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.engine.proximal import proximal_gradient
 from fedloom.engine.pytree import Tree
 
 
 class FedProxConfig(AlgorithmConfig):
     mu: float = Field(default=0.01, ge=0.0, description="proximal coefficient (paper: 0.001-1)")
+    mu_schedule: Schedule = schedule_field("mu")
 
 
 class FedProx(FedAvg):
@@ -24,5 +30,14 @@ class FedProx(FedAvg):
     summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w_t||^2 (Li et al., 2020)"
     Config = FedProxConfig
 
+    def round_message(self, server: State, round: int) -> Message:
+        message = self.server_message(server)
+        cfg = self.config
+        if not cfg.mu_schedule.constant:
+            mu = cfg.mu_schedule.at(cfg.mu, round, self.ctx.rounds)
+            message["mu"] = {"mu": torch.tensor(mu, dtype=torch.float64)}
+        return message
+
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
-        return proximal_gradient(params, message["params"], self.config.mu)
+        mu = message["mu"]["mu"] if "mu" in message else self.config.mu
+        return proximal_gradient(params, message["params"], mu)

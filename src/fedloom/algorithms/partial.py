@@ -155,3 +155,19 @@ class PartialSharing(Algorithm):
     ) -> tuple[Tree, Tree]:
         """The model of a client that never trained (default: shared + initial local part)."""
         return params, buffers
+
+    def initial_client_model(self, server: State) -> tuple[Tree, Tree]:
+        """The shared part with the initial local part."""
+        initial = server["initial_local"]
+        params = self.split.merge(server["params"], initial["params"])
+        buffers = self.split.merge(server["buffers"], initial["buffers"], params=False)
+        return params, buffers
+
+    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
+        """``fresh_client_model`` of the shared and initial local part (FedBN: calibrated
+        statistics); the cold-start evaluation then fine-tunes the local part
+        (``adaptation_keys``)."""
+        return self.fresh_client_model(*self.initial_client_model(server), task)
+
+    def adaptation_keys(self) -> list[str] | None:
+        return list(self.split.local_params)

@@ -27,6 +27,9 @@ Deviations: the pseudocode trains every client each round and aggregates a sampl
 here only the sampled clients train (identical without ``train.clients_per_round``), and a
 client that has not trained yet deploys the global model. The authors' personal optimizer adds
 a weight decay 0.001 theta_k to each inner step, which is not in the paper and not here.
+
+``lam_schedule`` decays lam over the rounds (seed 004, 4.3; algorithms/schedule.py): round t
+uses lam_t both in the prox problem and in omega's step (6).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
+from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.engine.local import local_sgd
 from fedloom.engine.proximal import proximal_gradient
 from fedloom.engine.pytree import Tree, add, clone, sub
@@ -58,6 +62,7 @@ class PFedMeConfig(AlgorithmConfig):
         default=1.0, gt=0.0, description="server step (7): 1 averages, > 1 extrapolates"
     )
     weighting: Weighting = weighting_field("uniform", "server weights of (7) (paper: uniform)")
+    lam_schedule: Schedule = schedule_field("lam")
 
 
 class PFedMe(Algorithm):
@@ -72,7 +77,8 @@ class PFedMe(Algorithm):
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult:
         cfg, model, data = self.config, self.ctx.model, task.data
-        pull = task.lr * cfg.lam  # eta lam of (6)
+        lam = cfg.lam_schedule.at(cfg.lam, task.round, self.ctx.rounds)
+        pull = task.lr * lam  # eta lam of (6)
         omega: Tree = message["params"]
         theta, buffers = message["params"], message["buffers"]
         losses: list[float] = []
@@ -80,7 +86,7 @@ class PFedMe(Algorithm):
             for batch in self.client_plan(task):
 
                 def prox_term(params: Tree, anchor: Tree = omega) -> Tree | None:
-                    return proximal_gradient(params, anchor, cfg.lam)
+                    return proximal_gradient(params, anchor, lam)
 
                 solved = local_sgd(
                     model,

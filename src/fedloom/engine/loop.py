@@ -22,17 +22,27 @@ from fedloom.algorithms.base import Message, State
 from fedloom.config import RunConfig
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.engine import pytree
+from fedloom.engine.cold_start import adaptation_curve
 from fedloom.engine.executor import make_executor
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import PlanMaker
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
+from fedloom.engine.monitoring import (
+    HETEROGENEITY_FILE,
+    feature_js,
+    gradient_dissimilarity,
+    label_kl,
+    update_statistics,
+)
 from fedloom.engine.progress import RoundProgress
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import sample_clients
 from fedloom.engine.state_store import ClientStateStore
+from fedloom.engine.tracking import Tracker, make_trackers
 from fedloom.engine.workload import full_budget, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
+from fedloom.rng import generator, seed_for
 
 POOLED_CLIENT = -1
 """Client id of the virtual client that holds all data (centralized training)."""
@@ -104,10 +114,12 @@ class Engine:
             batch_size=train.batch_size,
             aggregate=aggregator,
             make_plan=PlanMaker(config.seed, train.batch_size),
+            rounds=train.rounds,
             population={c: data.clients[c].num_train for c in self.train_ids},
         )
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
         self._pooled = pooled_client(data, self.train_ids) if self.algorithm.pooled else None
+        self._monitor_data: dict[int, ClientData] | None = None
 
     # -- per-client work orders -----------------------------------------------------------
     def client_data(self, client_id: int) -> ClientData:
@@ -188,6 +200,78 @@ class Engine:
                 row["client_accuracy"] = [c.accuracy if c.n else None for c in done]
         return row, deployed
 
+    # -- monitoring (engine/monitoring.py) -------------------------------------------------
+    def _heterogeneity(self) -> dict[str, Any]:
+        """Each client's label KL and feature JS to the pooled data (heterogeneity.json)."""
+        clients = dict(enumerate(self.data.clients))
+        report: dict[str, Any] = {"feature_js": feature_js(clients)}
+        if self.data.task == "classification":
+            report["label_kl"] = label_kl(clients, self.data.num_outputs)
+        if self.run_dir is not None:
+            self.run_dir.write_json(HETEROGENEITY_FILE, report)
+        return report
+
+    def _monitor_sample(self) -> dict[int, ClientData]:
+        """The fixed sample zeta^2 is measured on: up to ``monitor.clients`` training clients,
+        each with up to ``monitor.gradient_samples`` of its training samples."""
+        if self._monitor_data is None:
+            seed, cfg = self.config.seed, self.config.monitor
+            ids = list(self.train_ids)
+            if len(ids) > cfg.clients:
+                order = torch.randperm(len(ids), generator=generator(seed, "monitor"))
+                ids = sorted(ids[i] for i in order[: cfg.clients].tolist())
+            sample = {}
+            for c in ids:
+                data = self.data.clients[c]
+                keep = torch.randperm(data.num_train, generator=generator(seed, "monitor", 0, c))
+                keep = keep[: cfg.gradient_samples] if cfg.gradient_samples else keep
+                sample[c] = ClientData(
+                    data.x_train[keep], data.y_train[keep], data.x_test[:0], data.y_test[:0]
+                )
+            self._monitor_data = sample
+        return self._monitor_data
+
+    def _round_health(self, server: State, round: int, st: dict[str, Any]) -> dict[str, Any]:
+        """The evaluated round's monitoring record: update statistics and zeta^2."""
+        health: dict[str, Any] = st.pop("monitor", None) or {}
+        model = self.algorithm.global_model(server)
+        if self.config.monitor.gradient_dissimilarity and model is not None:
+            tick = time.perf_counter()
+            clients = self._monitor_sample()
+            with self.model.random_stream(seed_for(self.config.seed, "monitor"), round, -1):
+                health["zeta2"] = gradient_dissimilarity(self.model, *model, clients)
+            st["monitor_seconds"] = st.get("monitor_seconds", 0.0) + time.perf_counter() - tick
+        return health
+
+    def _privacy_spent(self) -> dict[str, float] | None:
+        """The privacy budget spent so far, from the first upload transform that accounts
+        for one (a method ``privacy_spent() -> {'epsilon': ..., 'delta': ...}``)."""
+        for transform in self.upload_transforms:
+            spent = getattr(transform, "privacy_spent", None)
+            if callable(spent):
+                return dict(spent())
+        return None
+
+    def _trackers(self) -> list[Tracker]:
+        cfg = self.config
+        name = self.run_dir.path.name if self.run_dir else f"{self.algorithm.name}-{self.data.name}"
+        return make_trackers(cfg, self.run_dir.path if self.run_dir else None, name)
+
+    def cold_start(self, server: State) -> dict[str, Any]:
+        """Accuracy of the held-out new clients vs fine-tuning steps (engine/cold_start.py)."""
+        cfg = self.config
+        lr = cfg.eval.adapt_lr or self.algorithm.adaptation_lr() or cfg.train.lr
+        return adaptation_curve(
+            self.algorithm,
+            server,
+            {c: self.data.clients[c] for c in self.new_ids},
+            cfg.eval.adaptation_steps,
+            lr,
+            cfg.train.rounds,
+            cfg.eval.batch_size,
+            self.data.task == "classification",
+        )
+
     # -- the loop -------------------------------------------------------------------------
     def _new_store(self) -> ClientStateStore:
         directory = self.run_dir.path / "state" if self.run_dir is not None else None
@@ -237,12 +321,26 @@ class Engine:
         deployed: dict[int, pytree.Tree] = {}
         start = time.perf_counter() - st["elapsed"]
         first = st["round"] + 1
+        monitor = cfg.monitor.enabled
+        heterogeneity = self._heterogeneity() if monitor else None
+        trackers = self._trackers()
         with RoundProgress(rounds, first - 1, enabled=self.progress) as bar:
             for round in range(first, rounds + 1):
-                server, states, st = self._one_round(round, server, states, st)
                 last = round == rounds
-                if round % cfg.eval.every == 0 or last:
+                evaluate = round % cfg.eval.every == 0 or last
+                before = st["bytes_up"], st["bytes_down"]
+                tick = time.perf_counter()
+                server, states, st = self._one_round(
+                    round, server, states, st, monitor and evaluate
+                )
+                round_seconds = time.perf_counter() - tick
+                if evaluate:
                     row, deployed = self.evaluate(server, states, round)
+                    if monitor:
+                        row["monitor"] = self._round_health(server, round, st)
+                    privacy = self._privacy_spent()
+                    if privacy is not None:
+                        row["privacy"] = privacy
                     row = {
                         "round": round,
                         "wall_seconds": time.perf_counter() - start,
@@ -254,11 +352,19 @@ class Engine:
                         "communication": {
                             "bytes_up": st["bytes_up"],
                             "bytes_down": st["bytes_down"],
+                            "bytes_up_round": st["bytes_up"] - before[0],
+                            "bytes_down_round": st["bytes_down"] - before[1],
+                        },
+                        "seconds": {
+                            "round": round_seconds,
+                            "monitor": st.pop("monitor_seconds", 0.0),
                         },
                     }
                     history.append(row)
                     if self.run_dir:
                         self.run_dir.append_metrics(row)
+                    for tracker in trackers:
+                        tracker.log(row)
                     bar.show_metrics(row)
                 every = cfg.checkpoint.every
                 if self.run_dir and every and (round % every == 0 or last):
@@ -277,6 +383,12 @@ class Engine:
         if not deployed:  # resumed at the very end: evaluate once to report client models
             _, deployed = self.evaluate(server, states, rounds)
         summary = self._summary(history, st, wall)
+        if self.new_ids:
+            summary["cold_start"] = self.cold_start(server)
+        if heterogeneity is not None:
+            summary["heterogeneity"] = heterogeneity_summary(heterogeneity, history)
+        for tracker in trackers:
+            tracker.close(summary)
         extras = self.algorithm.summary_extras(server)
         if extras:
             summary["extras"] = extras
@@ -291,7 +403,12 @@ class Engine:
         )
 
     def _one_round(
-        self, round: int, server: State, states: ClientStateStore, st: dict[str, Any]
+        self,
+        round: int,
+        server: State,
+        states: ClientStateStore,
+        st: dict[str, Any],
+        monitor: bool = False,
     ) -> tuple[State, ClientStateStore, dict[str, Any]]:
         cfg = self.config
         if self.algorithm.pooled:
@@ -301,7 +418,7 @@ class Engine:
         for c in clients:
             if c not in states:
                 states.set(c, self.algorithm.init_client_state(server, c))
-        message = self.algorithm.server_message(server)
+        message = self.algorithm.round_message(server, round)
         tasks = self.tasks_for_round(round, clients)
         results: list[ClientResult] = self.executor.run_round(
             self.algorithm, message, tasks, [states.get(t.client_id) for t in tasks]
@@ -315,6 +432,16 @@ class Engine:
             st["bytes_down"] += sum(self.algorithm.download_bytes(message, c) for c in clients)
             st["bytes_up"] += sum(message_bytes(r.upload) for r in results)
         st["client_info"] = mean_info(results)
+        if monitor:
+            tick = time.perf_counter()
+            deltas = {
+                t.client_id: self.algorithm.client_delta(message, r)
+                for t, r in zip(tasks, results, strict=True)
+            }
+            st["monitor"] = update_statistics(
+                {c: d for c, d in deltas.items() if d is not None}, self.config.monitor.clients
+            )
+            st["monitor_seconds"] = time.perf_counter() - tick
         if results:  # every sampled client dropped out: the server keeps its state
             server = self.algorithm.aggregate(server, results)
         total = sum(r.weight for r in results)
@@ -370,6 +497,23 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def heterogeneity_summary(
+    heterogeneity: dict[str, Any], history: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """summary.json's ``heterogeneity``: mean label KL and feature JS over clients, and the
+    last measured zeta^2."""
+
+    def mean(values: dict[str, float] | None) -> float | None:
+        return sum(values.values()) / len(values) if values else None
+
+    zeta = [row["monitor"]["zeta2"] for row in history if "zeta2" in row.get("monitor", {})]
+    return {
+        "label_kl_mean": mean(heterogeneity.get("label_kl")),
+        "feature_js_mean": mean(heterogeneity.get("feature_js")),
+        "zeta2_last": zeta[-1] if zeta else None,
+    }
 
 
 def mean_info(results: list[ClientResult]) -> dict[str, float]:

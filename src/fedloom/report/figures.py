@@ -8,7 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from fedloom.report.format import human_bytes
-from fedloom.report.rundir import LabelHistogram, RunData, num
+from fedloom.report.rundir import LabelHistogram, RunData, dig, num
 
 GLOBAL = "#1f5fa8"
 PERSONAL = "#d1495b"
@@ -35,17 +35,29 @@ class Panel:
 
 
 def build_panels(run: RunData) -> list[Panel]:
-    """All figure slots of the report, in page order."""
+    """All figure slots of the report, in page order, grouped as the seed's monitoring table
+    (convergence health, personalization, heterogeneity, resources). The cold-start slot is
+    there only for runs that hold clients out (``eval.new_clients`` > 0)."""
+    from fedloom.report import health  # health builds on this module's helpers
+
+    held_out = num(dig(run.config, "eval", "new_clients")) or (run.summary or {}).get("cold_start")
     return [
         accuracy_panel(run),
         loss_panel(run),
-        communication_panel(run),
+        health.update_norm_panel(run),
+        health.cosine_panel(run),
         client_accuracy_panel(run),
+        *([cold_start_panel(run)] if held_out else []),
+        health.heterogeneity_panel(run),
+        health.client_heterogeneity_panel(run),
         label_histogram_panel(run.label_histogram),
+        communication_panel(run),
+        health.resources_panel(run),
+        *([health.privacy_panel(run)] if health.has_privacy(run) else []),
     ]
 
 
-def _layout(fig: go.Figure, *, height: int, x_title: str, y_title: str) -> go.Figure:
+def base_layout(fig: go.Figure, *, height: int, x_title: str, y_title: str) -> go.Figure:
     fig.update_layout(
         template="plotly_white",
         height=height,
@@ -59,8 +71,8 @@ def _layout(fig: go.Figure, *, height: int, x_title: str, y_title: str) -> go.Fi
     return fig
 
 
-def _round_layout(fig: go.Figure, run: RunData, *, y_title: str, height: int = 400) -> go.Figure:
-    _layout(fig, height=height, x_title="round", y_title=y_title)
+def round_layout(fig: go.Figure, run: RunData, *, y_title: str, height: int = 400) -> go.Figure:
+    base_layout(fig, height=height, x_title="round", y_title=y_title)
     fig.update_layout(hovermode="x unified")
     rounds = run.round_numbers
     if rounds and all(r.is_integer() for r in rounds):
@@ -74,7 +86,7 @@ def _mode(run: RunData) -> str:
     return "lines+markers" if len(run.rounds) <= MARKERS_UP_TO else "lines"
 
 
-def _line(
+def round_line(
     run: RunData,
     y: list[float | None],
     name: str,
@@ -95,7 +107,7 @@ def _line(
     )
 
 
-def _no_rounds(panel: Panel) -> Panel:
+def no_rounds(panel: Panel) -> Panel:
     panel.note = "No evaluated rounds yet."
     return panel
 
@@ -109,7 +121,7 @@ def accuracy_panel(run: RunData) -> Panel:
         "own test data (mean, median and the band from the 10th to the 90th percentile).",
     )
     if not run.rounds:
-        return _no_rounds(panel)
+        return no_rounds(panel)
     glob = run.series("global", "accuracy")
     mean = run.series("personalized", "accuracy_mean")
     p10 = run.series("personalized", "accuracy_p10")
@@ -136,7 +148,9 @@ def accuracy_panel(run: RunData) -> Panel:
             )
         )
     if any(v is not None for v in p50):
-        median = _line(run, p50, "personalized P50", PERSONAL, dash="dot", width=1.8, hover=pct)
+        median = round_line(
+            run, p50, "personalized P50", PERSONAL, dash="dot", width=1.8, hover=pct
+        )
         if has_band and len(run.rounds) == 1:  # a band needs two rounds: show a whisker
             lo, mid, hi = p10[0], p50[0], p90[0]
             if lo is not None and mid is not None and hi is not None:
@@ -156,14 +170,63 @@ def accuracy_panel(run: RunData) -> Panel:
             )
         fig.add_trace(median)
     if any(v is not None for v in mean):
-        fig.add_trace(_line(run, mean, "personalized mean", PERSONAL, hover=pct))
+        fig.add_trace(round_line(run, mean, "personalized mean", PERSONAL, hover=pct))
     if any(v is not None for v in new):
-        fig.add_trace(_line(run, new, "new clients mean", NEW_CLIENTS, dash="dash", hover=pct))
+        fig.add_trace(round_line(run, new, "new clients mean", NEW_CLIENTS, dash="dash", hover=pct))
     if any(v is not None for v in glob):
-        fig.add_trace(_line(run, glob, "global", GLOBAL, width=2.8, hover=pct))
+        fig.add_trace(round_line(run, glob, "global", GLOBAL, width=2.8, hover=pct))
     elif run.rounds:
         panel.note = "No global model in this run: only personalized accuracy is shown."
-    _round_layout(fig, run, y_title="accuracy", height=430)
+    round_layout(fig, run, y_title="accuracy", height=430)
+    fig.update_yaxes(tickformat=PERCENT)
+    panel.figure = fig
+    return panel
+
+
+def cold_start_panel(run: RunData) -> Panel:
+    """Held-out new clients' accuracy vs fine-tuning steps (summary.json ``cold_start``)."""
+    panel = Panel(
+        "cold_start",
+        "Cold start: new clients vs adaptation steps",
+        "Clients held out of training (eval.new_clients), served the algorithm's way and then "
+        "fine-tuned on their own data: mean accuracy and the P10–P90 range after each number "
+        "of local steps.",
+        wide=False,
+    )
+    curve = (run.summary or {}).get("cold_start")
+    if not isinstance(curve, dict) or not curve.get("steps"):
+        panel.note = "The cold-start evaluation runs when the run finishes."
+        return panel
+    steps = [num(s) for s in curve["steps"]]
+    mean = [num(v) for v in curve.get("accuracy_mean") or []]
+    if not any(v is not None for v in mean):
+        panel.note = "No accuracy was reported for the new clients (a regression task?)."
+        return panel
+    p10 = [num(v) for v in curve.get("accuracy_p10") or []]
+    p90 = [num(v) for v in curve.get("accuracy_p90") or []]
+    pct = f"%{{y:{PERCENT}}}"
+    fig = go.Figure()
+    line = go.Scatter(
+        x=steps,
+        y=mean,
+        name=f"mean over {curve.get('clients', '?')} new clients",
+        mode="lines+markers",
+        line={"color": NEW_CLIENTS, "width": 2.4},
+        marker={"size": 8},
+        hovertemplate=f"{pct} after %{{x}} steps<extra></extra>",
+    )
+    if len(p10) == len(mean) == len(p90) and None not in p10 + p90 + mean:
+        line.error_y = {
+            "type": "data",
+            "array": [hi - m for hi, m in zip(p90, mean, strict=True)],
+            "arrayminus": [m - lo for lo, m in zip(p10, mean, strict=True)],
+            "color": NEW_CLIENTS,
+            "thickness": 1.2,
+            "width": 6,
+        }
+    fig.add_trace(line)
+    base_layout(fig, height=400, x_title="adaptation steps", y_title="accuracy")
+    fig.update_xaxes(tickvals=steps, type="linear")
     fig.update_yaxes(tickformat=PERCENT)
     panel.figure = fig
     return panel
@@ -179,7 +242,7 @@ def loss_panel(run: RunData) -> Panel:
         wide=False,
     )
     if not run.rounds:
-        return _no_rounds(panel)
+        return no_rounds(panel)
     lines = [
         (run.series("global", "loss"), "global", GLOBAL, "solid"),
         (run.series("personalized", "loss_mean"), "personalized", PERSONAL, "solid"),
@@ -190,8 +253,8 @@ def loss_panel(run: RunData) -> Panel:
     if not lines:
         panel.note = "No loss was reported."
         return panel
-    fig = go.Figure([_line(run, y, name, color, dash=dash) for y, name, color, dash in lines])
-    panel.figure = _round_layout(fig, run, y_title="loss", height=380)
+    fig = go.Figure([round_line(run, y, name, color, dash=dash) for y, name, color, dash in lines])
+    panel.figure = round_layout(fig, run, y_title="loss", height=380)
     return panel
 
 
@@ -204,19 +267,19 @@ def communication_panel(run: RunData) -> Panel:
         wide=False,
     )
     if not run.rounds:
-        return _no_rounds(panel)
+        return no_rounds(panel)
     fig = go.Figure()
     lines = (("bytes_up", "up", UP, "solid"), ("bytes_down", "down", DOWN, "dash"))
     for key, name, color, dash in lines:
         ys = run.series("communication", key)
         if any(v is not None for v in ys):
-            trace = _line(run, ys, name, color, dash=dash, hover="%{customdata}")
+            trace = round_line(run, ys, name, color, dash=dash, hover="%{customdata}")
             trace.customdata = ["—" if v is None else human_bytes(v) for v in ys]
             fig.add_trace(trace)
     if not fig.data:
         panel.note = "No communication was recorded."
         return panel
-    _round_layout(fig, run, y_title="bytes (cumulative)", height=380)
+    round_layout(fig, run, y_title="bytes (cumulative)", height=380)
     fig.update_yaxes(tickformat="~s", ticksuffix="B", rangemode="tozero")
     panel.figure = fig
     return panel
@@ -272,7 +335,7 @@ def client_accuracy_panel(run: RunData) -> Panel:
         annotation={"text": f"mean {mean:.1%}", "xanchor": "left", "x": 0.0},
         annotation_position="top left",
     )
-    _layout(fig, height=360, x_title="client (sorted by accuracy)", y_title="accuracy")
+    base_layout(fig, height=360, x_title="client (sorted by accuracy)", y_title="accuracy")
     fig.update_yaxes(tickformat=PERCENT, range=[0, 1.02])
     fig.update_xaxes(type="category", showticklabels=len(scored) <= 50, tickangle=-45)
     fig.update_layout(bargap=0.12 if len(scored) <= 100 else 0)
@@ -322,7 +385,7 @@ def label_histogram_panel(histogram: LabelHistogram | None) -> Panel:
         )
     )
     height = min(900, max(300, 110 + 16 * n_clients))
-    _layout(fig, height=height, x_title="class", y_title="client")
+    base_layout(fig, height=height, x_title="class", y_title="client")
     fig.update_xaxes(type="category")
     fig.update_yaxes(type="category", autorange="reversed", showticklabels=n_clients <= 60)
     if n_clients <= 60:  # label every client, not every other one

@@ -16,6 +16,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 LABEL_HISTOGRAM_FILE = "label_histogram.json"
+HETEROGENEITY_FILE = "heterogeneity.json"
 REQUIRED_FILES = (CONFIG_FILE, METRICS_FILE)
 
 
@@ -58,6 +59,8 @@ class RunData:
     summary: dict[str, Any] | None
     label_histogram: LabelHistogram | None
     notes: list[str] = field(default_factory=list)
+    heterogeneity: dict[str, Any] | None = None
+    """heterogeneity.json: per-client label KL and feature JS to the pooled data."""
 
     @property
     def in_progress(self) -> bool:
@@ -70,6 +73,38 @@ class RunData:
     @property
     def round_numbers(self) -> list[float]:
         return [float(row["round"]) for row in self.rounds]
+
+
+def first(*values: Any) -> Any:
+    """The first value that is neither None nor empty."""
+    return next((v for v in values if v is not None and v != ""), None)
+
+
+def config_name(value: Any) -> Any:
+    """A config entry that is either a plain name or a mapping with a name/kind."""
+    if isinstance(value, dict):
+        return first(value.get("name"), value.get("kind"))
+    return value
+
+
+def final_section(run: RunData, section: str) -> dict[str, Any] | None:
+    """``summary.final[section]``, else the section of the last round that has one."""
+    value = dig(run.summary, "final", section)
+    if isinstance(value, dict):
+        return value
+    for row in reversed(run.rounds):
+        if isinstance(row.get(section), dict):
+            return row[section]
+    return None
+
+
+def latest(run: RunData, *keys: str) -> Any:
+    """The last round's value at ``keys`` that is not None."""
+    for row in reversed(run.rounds):
+        value = dig(row, *keys)
+        if value is not None:
+            return value
+    return None
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -89,7 +124,8 @@ def load_run(run_dir: str | Path) -> RunData:
     rounds = _load_metrics(path / METRICS_FILE, notes)
     summary = _load_json_mapping(path / SUMMARY_FILE, notes)
     histogram = _load_label_histogram(path / LABEL_HISTOGRAM_FILE, notes)
-    return RunData(path, config, rounds, summary, histogram, notes)
+    heterogeneity = _load_json_mapping(path / HETEROGENEITY_FILE, notes)
+    return RunData(path, config, rounds, summary, histogram, notes, heterogeneity)
 
 
 def _load_config(path: Path) -> dict[str, Any]:

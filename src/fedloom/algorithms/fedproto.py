@@ -1,0 +1,228 @@
+"""FedProto (Tan et al., AAAI 2022, "FedProto: Federated Prototype Learning across Heterogeneous
+Clients", arXiv:2105.00243, Algorithm 1); seed 004, first article, section 三 3.4 (功能空间正则化).
+
+No model parameters travel. Every client keeps its whole model (client state, initially the
+common initial model); what is shared are class prototypes, the mean representation h(x) (the
+head's input, :func:`fedloom.engine.objective_sgd.single_head`) of each class. One round::
+
+    server sends C_bar_j for the classes j that have a global prototype
+    client k:  SGD from its own model on, per minibatch B,
+                 L = CE(f(x), y) + lam * 1/(|B| D) sum_{n in B} ||h(x_n) - C_bar_{y_n}||^2
+               (no term for a sample whose class has no global prototype yet)
+               C_k^j = 1/|D_kj| sum_{x in D_kj} h(x)     # after training, eval mode, no grad,
+               upload (j, C_k^j, |D_kj|) for the classes j it holds     # on all its train data
+    server:    C_bar_j = sum_k |D_kj| C_k^j / sum_k |D_kj|   over the clients reporting j
+               (``weighting: samples``, the paper's eq. (7) weights; ``uniform``: the seed's
+               1/K mean over them); a class nobody reported keeps last round's prototype
+
+The penalty is the mean squared error of the paper's code (``nn.MSELoss``, averaged over the
+batch and the D feature dimensions, samples without a prototype counting as 0), so ``lam`` is
+the paper's lambda (its code's ``ld``, 1 by default).
+
+The seed writes a contrastive variant, sum ||f(x) - c_y||^2 - sum_{j != y} ||f(x) - c_j||^2,
+whose second term is unbounded below (push h(x) to infinity). It is offered in a safe hinge
+form with weight ``repel`` (default 0: the paper's FedProto), with d_j = ||h(x) - c_j||^2 / D::
+
+    + repel * 1/|B| sum_n sum_{j != y_n, c_j known} max(0, margin + d_{y_n} - d_j)
+
+a triplet loss that is >= 0 and vanishes once every other prototype is ``margin`` farther than
+the own one.
+
+Deployed model: the client's own model (classification by its own head); there is no global
+model. A client that never trained (a held-out new client) starts from the initial model, which
+the cold-start evaluation then fine-tunes (the default ``new_client_model``). Bytes: uploads
+are the held classes' ids, prototypes and counts; downloads the known global prototypes and
+their ids; both much smaller than the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from fedloom.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    ClientResult,
+    ClientTask,
+    Message,
+    State,
+    Weighting,
+    weighting_field,
+)
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.objective_sgd import Batch, head_input, single_head
+from fedloom.engine.pytree import Tree, clone
+
+
+class FedProtoConfig(AlgorithmConfig):
+    lam: float = Field(
+        default=1.0, ge=0.0, description="weight of the prototype MSE term (paper: lambda = 1)"
+    )
+    weighting: Weighting = weighting_field(
+        "samples", "prototype averaging weights (paper eq. 7: class counts)"
+    )
+    repel: float = Field(
+        default=0.0, ge=0.0, description="weight of the hinge term pushing other prototypes away"
+    )
+    margin: float = Field(
+        default=1.0, ge=0.0, description="hinge margin of the repel term (per-dimension sq. dist.)"
+    )
+
+
+@torch.no_grad()
+def class_prototypes(
+    model: FunctionalModel,
+    head: str,
+    params: Tree,
+    buffers: Tree,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    dim: int,
+    batch_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(means, counts): the mean head input h(x) of each class over (x, y) in evaluation mode,
+    shape (num_classes, dim) (zero rows for absent classes), and the class counts (int64)."""
+    module = model.module
+    module.eval()
+    sums = torch.zeros(num_classes, dim, dtype=torch.float64)
+    counts = torch.bincount(y, minlength=num_classes)
+    try:
+        with head_input(module.get_submodule(head)) as store:
+            for start in range(0, int(x.shape[0]), batch_size):
+                model.forward(params, buffers, x[start : start + batch_size])
+                sums.index_add_(0, y[start : start + batch_size], store["h"].to(torch.float64))
+    finally:
+        module.train()
+    dtype = next(iter(params.values())).dtype
+    return (sums / counts.clamp_min(1)[:, None]).to(dtype), counts
+
+
+def prototype_loss(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    table: torch.Tensor,
+    known: torch.Tensor,
+    repel: float = 0.0,
+    margin: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pull, push) of a minibatch: the MSE of h to its class's global prototype (0 for samples
+    whose class has none) and the hinge repel term (see the module doc; 0 if ``repel`` = 0)."""
+    has = known[y].to(h.dtype)
+    diff = (h - table[y]) * has[:, None]
+    pull = (diff**2).mean()
+    push = h.new_zeros(())
+    if repel > 0:
+        d = ((h[:, None, :] - table[None]) ** 2).mean(-1)  # (B, C) per-dimension sq. dist.
+        own = d.gather(1, y[:, None])
+        others = known[None, :] & (torch.arange(table.shape[0])[None, :] != y[:, None])
+        hinge = F.relu(margin + own - d) * others.to(h.dtype) * has[:, None]
+        push = hinge.sum(1).mean()
+    return pull, push
+
+
+class FedProto(Algorithm):
+    name = "fedproto"
+    summary = "FedProto: local models regularized to global class prototypes, only those shared"
+    Config = FedProtoConfig
+    has_global_model = False
+
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
+        super().__init__(config, ctx)
+        self.head = single_head(ctx.model, self.name)
+        self.require_classification("class prototypes")
+        linear = ctx.model.module.get_submodule(self.head)
+        assert isinstance(linear, nn.Linear)
+        self.dim, self.num_classes = linear.in_features, linear.out_features
+
+    # -- server ---------------------------------------------------------------------------
+    def init_server_state(self, params: Tree, buffers: Tree) -> State:
+        """The initial model (each client's starting point, never sent) and the prototype
+        table with the mask of the classes that have a global prototype."""
+        return {
+            "initial": {"params": clone(params), "buffers": clone(buffers)},
+            "protos": torch.zeros(
+                self.num_classes, self.dim, dtype=next(iter(params.values())).dtype
+            ),
+            "known": torch.zeros(self.num_classes, dtype=torch.bool),
+        }
+
+    def server_message(self, server: State) -> Message:
+        ids = torch.nonzero(server["known"]).flatten()
+        return {"protos": {"ids": ids, "mean": server["protos"][ids]}}
+
+    def aggregate(self, server: State, results: list[ClientResult]) -> State:
+        table, known = server["protos"].clone(), server["known"].clone()
+        for c in range(self.num_classes):
+            means, weights = [], []
+            for r in results:
+                up = r.upload["protos"]
+                rows = torch.nonzero(up["ids"] == c).flatten()
+                if rows.numel():
+                    means.append({"mean": up["mean"][rows[0]]})
+                    count = float(up["count"][rows[0]])
+                    weights.append(count if self.config.weighting == "samples" else 1.0)
+            if means:
+                table[c] = self.ctx.aggregate(means, weights)["mean"]
+                known[c] = True
+        return {**server, "protos": table, "known": known}
+
+    # -- client ---------------------------------------------------------------------------
+    def init_client_state(self, server: State, client_id: int) -> State:
+        initial = server["initial"]
+        return {"params": clone(initial["params"]), "buffers": clone(initial["buffers"])}
+
+    def client_update(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult:
+        assert state is not None
+        cfg, model, data = self.config, self.ctx.model, task.data
+        sent = message["protos"]
+        table = torch.zeros(self.num_classes, self.dim, dtype=sent["mean"].dtype)
+        table[sent["ids"]] = sent["mean"]
+        known = torch.zeros(self.num_classes, dtype=torch.bool)
+        known[sent["ids"]] = True
+        regularize = bool(known.any()) and (cfg.lam > 0 or cfg.repel > 0)
+
+        def objective(batch: Batch) -> torch.Tensor:
+            loss = model.loss_from_output(batch.out, batch.y)
+            if regularize:
+                assert batch.features is not None
+                pull, push = prototype_loss(
+                    batch.features, batch.y, table, known, cfg.repel, cfg.margin
+                )
+                loss = loss + cfg.lam * pull + cfg.repel * push
+            return loss
+
+        solved = self.solve_objective(message, state, task, objective, head=self.head)
+        means, counts = class_prototypes(
+            model,
+            self.head,
+            solved.params,
+            solved.buffers,
+            data.x_train,
+            data.y_train,
+            self.num_classes,
+            self.dim,
+        )
+        ids = torch.nonzero(counts).flatten()
+        upload = {"protos": {"ids": ids, "mean": means[ids], "count": counts[ids]}}
+        new_state = {"params": solved.params, "buffers": solved.buffers}
+        return ClientResult(upload, float(data.num_train), solved.loss, state=new_state)
+
+    def local_start(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """Each client trains its own model (nothing of it is shared)."""
+        assert state is not None
+        return state["params"], state["buffers"]
+
+    def deployed_model(
+        self, server: State, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        state = state if state is not None else self.init_client_state(server, task.client_id)
+        return state["params"], state["buffers"]

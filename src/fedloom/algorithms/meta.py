@@ -1,0 +1,71 @@
+"""What the meta-learning algorithms (Per-FedAvg, Reptile) share: a client is served the
+meta-learned initialization theta adapted to its own data; seed 004, first article, section 二
+("元学习初始化：寻找'易于微调'的全局起点").
+
+Both learn a global theta that is not meant to be used as is: every client (a training client
+in the personalized evaluation, or a held-out one) deploys theta after ``adapt_steps`` SGD steps
+on its own training data, the inner loop the server meta-learned for::
+
+    phi_k = theta;  repeat adapt_steps times: phi_k <- phi_k - lr grad F_k(phi_k; B_s)
+    deploy phi_k                       (adapt_steps = 0: theta itself)
+
+with minibatches B_s from the stream (seed, 'adapt', round, client), the same stream the
+engine's cold-start evaluation uses, and lr the algorithm's inner step size (Per-FedAvg: alpha;
+Reptile: train.lr). The cold-start evaluation starts a new client from theta
+(``new_client_model``, the default) and fine-tunes it at ``adaptation_lr``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from fedloom.algorithms.base import Algorithm, AlgorithmContext, ClientTask, State
+from fedloom.engine.objective_sgd import objective_sgd
+from fedloom.engine.pytree import Tree
+
+ADAPT_PURPOSE = "adapt"
+"""Stream of the adaptation minibatches (shared with the engine's cold-start evaluation)."""
+
+
+def adapt_steps_field() -> Any:
+    return Field(
+        default=1,
+        ge=0,
+        description="SGD steps a client takes from theta on its own data before inference",
+    )
+
+
+def adapt(
+    ctx: AlgorithmContext, params: Tree, buffers: Tree, task: ClientTask, steps: int, lr: float
+) -> tuple[Tree, Tree]:
+    """(params, buffers) after ``steps`` SGD steps at ``lr`` on the client's training data
+    (minibatches from the stream (seed, 'adapt', task.round, client)); ``steps`` 0, or a client
+    without training data: the inputs themselves."""
+    data, model = task.data, ctx.model
+    if steps == 0 or data.num_train == 0:
+        return params, buffers
+    plan = ctx.make_plan(data, steps, ADAPT_PURPOSE, task.round, task.client_id)
+    with model.random_stream(ctx.seed, task.round, task.client_id):
+        solved = objective_sgd(model, params, buffers, data.x_train, data.y_train, plan, lr)
+    return solved.params, solved.buffers
+
+
+class AdaptedDeployment(Algorithm):
+    """Mixin: ``deployed_model`` is the global model after ``config.adapt_steps`` SGD steps at
+    ``deployment_lr()`` on the client's training data (see the module doc)."""
+
+    def deployment_lr(self) -> float:
+        """Step size of the adaptation (default: the algorithm's cold-start step, else
+        train.lr)."""
+        lr = self.adaptation_lr()
+        return lr if lr is not None else self.ctx.lr
+
+    def deployed_model(
+        self, server: State, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        theta = self.global_model(server)
+        assert theta is not None
+        steps: int = self.config.adapt_steps  # type: ignore[attr-defined]
+        return adapt(self.ctx, *theta, task, steps, self.deployment_lr())

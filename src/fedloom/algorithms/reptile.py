@@ -1,0 +1,75 @@
+"""FedReptile: Reptile (Nichol, Achiam, Schulman, 2018, "On First-Order Meta-Learning
+Algorithms", arXiv:1803.02999) made federated; seed 004, first article, section 2.2 (FOMAML and
+Reptile: "客户端从 theta 起步训练 T 步得到 phi_k，服务器更新 theta <- theta + epsilon 1/K sum_k
+(phi_k - theta)").
+
+One round::
+
+    server sends theta                                       # FedAvg's downlink
+    client k: phi_k <- T SGD steps from theta at train.lr    # the engine's shared local solver
+                                                             # (vectorized; stragglers: fewer)
+    upload phi_k
+    server: theta <- theta + epsilon sum_{k in S} p_k (phi_k - theta)
+            p_k = 1/|S| (weighting: uniform, the seed's 1/K) or n_k / sum_S n_j (samples)
+
+The server step is FedAvgM's with momentum 0 and server_lr = epsilon (the shared
+:class:`fedloom.algorithms.fedopt.ServerOptimizer`: Delta = ctx.aggregate({phi_k}) - theta, so a
+robust aggregation rule plugs in; the step in float64). epsilon = 1 is FedAvg with uniform
+weights; epsilon < 1 interpolates between theta and the clients' mean. BatchNorm buffers are
+averaged as in FedAvg.
+
+Deployment (:mod:`fedloom.algorithms.meta`): every client serves theta after ``adapt_steps`` SGD
+steps at train.lr on its own training data; cold-start clients start at theta. Reptile keeps
+no client state.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fedloom.algorithms.base import (
+    AlgorithmConfig,
+    ClientResult,
+    ClientTask,
+    Message,
+    State,
+    Weighting,
+    weighting_field,
+)
+from fedloom.algorithms.fedopt import ServerOptimizer, Slots
+from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
+from fedloom.engine.local import LocalSolution
+from fedloom.engine.pytree import Tree
+
+
+class ReptileConfig(AlgorithmConfig):
+    epsilon: float = Field(
+        default=1.0, gt=0.0, description="outer step epsilon: theta += epsilon mean(phi - theta)"
+    )
+    weighting: Weighting = weighting_field("uniform", "server mean over S (seed: uniform 1/K)")
+    adapt_steps: int = adapt_steps_field()
+
+    @property
+    def server_lr(self) -> float:
+        """ServerOptimizer's step size: epsilon."""
+        return self.epsilon
+
+
+class Reptile(AdaptedDeployment, ServerOptimizer):
+    name = "reptile"
+    summary = "FedReptile: local SGD, server moves theta by epsilon toward the clients' mean"
+    Config = ReptileConfig
+    slots = ()
+
+    def init_slots(self, params: Tree) -> Slots:
+        return {}
+
+    def step(self, delta: Tree, state: Slots) -> tuple[Tree, Slots]:
+        return delta, {}
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
+    ) -> ClientResult:
+        result = super().local_finish(message, state, task, solved)
+        result.weight = self.ctx.objective_weight(task.client_id, self.config.weighting)
+        return result

@@ -1,0 +1,76 @@
+"""The cold-start evaluation: how well each algorithm serves a client that never trained.
+
+Seed 004, first article, 4.2 ("新客户端/冷启动：直接使用 theta 或微调 1-5 步") and 5.4 (适配效率:
+the fine-tuning steps a new client needs). The ``eval.new_clients`` held-out clients never take
+part in training. At the end of the run each one is served the algorithm's way
+(``Algorithm.new_client_model``: the global model, a meta-learned initialization, the shared
+body with a fresh head, a hypernetwork's model from a fitted embedding) and then fine-tunes it
+on its own training data::
+
+    w_0 = new_client_model(server, client)
+    w_s = w_{s-1} - lr grad F_k(w_{s-1}; B_s)      s = 1..max(steps), on adaptation_keys only
+    report accuracy of w_s on the client's held-out data for s in eval.adaptation_steps
+
+with minibatches B_s from the stream (seed, 'adapt', rounds, client) and lr = ``eval.adapt_lr``,
+else the algorithm's (``adaptation_lr``: Per-FedAvg's alpha), else ``train.lr``. The result is
+summary.json's ``cold_start``: per step, the mean and quantiles over the new clients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedloom.algorithms.base import Algorithm, ClientTask, State
+from fedloom.data.federated import ClientData
+from fedloom.engine.metrics import EvalCounts, client_quantiles
+from fedloom.engine.objective_sgd import objective_sgd
+from fedloom.engine.pytree import Tree
+
+
+def adaptation_curve(
+    algorithm: Algorithm,
+    server: State,
+    clients: dict[int, ClientData],
+    steps: list[int],
+    lr: float,
+    round: int,
+    eval_batch_size: int,
+    classification: bool,
+) -> dict[str, Any]:
+    """summary.json's ``cold_start`` for the held-out ``clients`` (see the module doc)."""
+    model = algorithm.ctx.model
+    per_step: dict[int, list[EvalCounts]] = {s: [] for s in steps}
+    for cid, data in clients.items():
+        task = ClientTask(cid, data, [], lr, round)
+        params, buffers = algorithm.new_client_model(server, task)
+
+        def record(done: int, params: Tree, buffers: Tree, data: ClientData = data) -> None:
+            if done in per_step:
+                counts = model.evaluate(params, buffers, data.x_test, data.y_test, eval_batch_size)
+                per_step[done].append(EvalCounts(*counts))
+
+        record(0, params, buffers)
+        plan = algorithm.ctx.make_plan(data, steps[-1], "adapt", round, cid)
+        if not plan:  # no training data: the client stays at w_0
+            for s in steps[1:] if steps[0] == 0 else steps:
+                record(s, params, buffers)
+            continue
+        with model.random_stream(algorithm.ctx.seed, round, cid):
+            objective_sgd(
+                model,
+                params,
+                buffers,
+                data.x_train,
+                data.y_train,
+                plan,
+                lr,
+                trainable=algorithm.adaptation_keys(),
+                on_step=lambda done, lean, record=record: (
+                    record(done, lean.params(), lean.buffers_copy()) if done in per_step else None
+                ),
+            )
+    curve: dict[str, Any] = {"clients": len(clients), "lr": lr, "steps": list(steps)}
+    quantiles = [client_quantiles(per_step[s], classification) for s in steps]
+    for key in quantiles[0]:
+        curve[key] = [q[key] for q in quantiles]
+    return curve

@@ -1,0 +1,184 @@
+"""The alert rules of the monitoring table (seed 004, second article, 5.2), evaluated on a run's
+files: each alert names its rule, the round it fired and what was seen.
+
+| rule | fires when (thresholds: config ``monitor.alerts``) |
+| --- | --- |
+| loss_plateau | the loss (global, else training) has no new minimum for ``loss_patience`` evaluations in a row (seed: 连续 5 轮 Loss 不降) |
+| update_norm_exploding | the median client update norm exceeds ``update_norm_growth`` x its first value, or is not finite (梯度爆炸) |
+| update_norm_vanishing | the median client update norm falls below ``update_norm_decay`` x its first value (梯度消失) |
+| p10_low | the latest personalized accuracy P10 is below ``p10_min`` (P10 < 0.65) |
+| zeta_jump | zeta^2 rises by more than ``zeta_jump`` (2.0 = 200%) between two evaluations (zeta^2 突变 > 200%) |
+| communication_budget | cumulative bytes up + down exceed ``communication_budget_mb`` (通信量超预算) |
+| cold_start_slow | new clients do not reach ``cold_start_target`` x the trained clients' mean accuracy within ``cold_start_steps`` adaptation steps (冷启动 > 20 步) |
+| privacy_budget | a privacy mechanism's epsilon exceeds ``epsilon_max`` (epsilon > 10) |
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from fedloom.config import AlertConfig
+from fedloom.report.rundir import RunData, dig, num
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Alert:
+    rule: str
+    round: float | None
+    message: str
+
+
+def thresholds(run: RunData) -> AlertConfig:
+    """The run's ``monitor.alerts`` (defaults where missing or invalid)."""
+    raw = dig(run.config, "monitor", "alerts")
+    try:
+        return AlertConfig.model_validate(raw if isinstance(raw, dict) else {})
+    except ValidationError:
+        return AlertConfig()
+
+
+def evaluate_alerts(run: RunData) -> list[Alert]:
+    """Every alert the run's metrics and summary trigger, in round order."""
+    cfg = thresholds(run)
+    alerts = [
+        *loss_plateau(run, cfg.loss_patience),
+        *update_norm_alerts(run, cfg.update_norm_growth, cfg.update_norm_decay),
+        *p10_low(run, cfg.p10_min),
+        *zeta_jump(run, cfg.zeta_jump),
+        *communication_budget(run, cfg.communication_budget_mb),
+        *cold_start_slow(run, cfg.cold_start_steps, cfg.cold_start_target),
+        *privacy_budget(run, cfg.epsilon_max),
+    ]
+    return sorted(alerts, key=lambda a: (math.inf if a.round is None else a.round, a.rule))
+
+
+def _points(run: RunData, *keys: str) -> list[tuple[float, float]]:
+    return [
+        (r, v) for r, v in zip(run.round_numbers, run.series(*keys), strict=True) if v is not None
+    ]
+
+
+def loss_plateau(run: RunData, patience: int) -> list[Alert]:
+    points = _points(run, "global", "loss") or _points(run, "train_loss")
+    alerts, best, since = [], math.inf, 0
+    for rnd, loss in points:
+        if loss < best:
+            best, since = loss, 0
+            continue
+        since += 1
+        if since == patience:
+            alerts.append(
+                Alert(
+                    "loss_plateau",
+                    rnd,
+                    f"loss has not improved on its minimum {best:.4g} for {patience} evaluations",
+                )
+            )
+    return alerts
+
+
+def update_norm_alerts(run: RunData, growth: float, decay: float) -> list[Alert]:
+    medians = [
+        (r, dig(row, "monitor", "update_norm", "p50"))
+        for r, row in zip(run.round_numbers, run.rounds, strict=True)
+    ]
+    medians = [(r, m) for r, m in medians if isinstance(m, int | float)]
+    if not medians:
+        return []
+    first = next((m for _, m in medians if math.isfinite(m) and m > 0), None)
+    for rnd, m in medians:
+        if not math.isfinite(m) or (first is not None and m > growth * first):
+            return [
+                Alert(
+                    "update_norm_exploding",
+                    rnd,
+                    f"median update norm {m:.4g} vs {first:.4g} at the first evaluation",
+                )
+            ]
+        if first is not None and m < decay * first:
+            return [
+                Alert(
+                    "update_norm_vanishing",
+                    rnd,
+                    f"median update norm {m:.3g} vs {first:.4g} at the first evaluation",
+                )
+            ]
+    return []
+
+
+def p10_low(run: RunData, minimum: float | None) -> list[Alert]:
+    points = _points(run, "personalized", "accuracy_p10")
+    if minimum is None or not points:
+        return []
+    rnd, p10 = points[-1]
+    if p10 >= minimum:
+        return []
+    return [Alert("p10_low", rnd, f"personalized accuracy P10 {p10:.1%} < {minimum:.0%}")]
+
+
+def zeta_jump(run: RunData, jump: float) -> list[Alert]:
+    points = _points(run, "monitor", "zeta2")
+    return [
+        Alert("zeta_jump", rnd, f"zeta^2 rose from {prev:.4g} to {cur:.4g}")
+        for (_, prev), (rnd, cur) in itertools.pairwise(points)
+        if prev > 0 and cur > (1.0 + jump) * prev
+    ]
+
+
+def communication_budget(run: RunData, budget_mb: float | None) -> list[Alert]:
+    if budget_mb is None:
+        return []
+    up = run.series("communication", "bytes_up")
+    down = run.series("communication", "bytes_down")
+    for rnd, u, d in zip(run.round_numbers, up, down, strict=True):
+        if u is not None and d is not None and (u + d) / MB > budget_mb:
+            return [
+                Alert(
+                    "communication_budget",
+                    rnd,
+                    f"{(u + d) / MB:,.1f} MB sent and received, over the {budget_mb:g} MB budget",
+                )
+            ]
+    return []
+
+
+def cold_start_slow(run: RunData, max_steps: int, target: float) -> list[Alert]:
+    curve: Any = (run.summary or {}).get("cold_start")
+    trained = num(dig(run.summary, "final", "personalized", "accuracy_mean"))
+    if not isinstance(curve, dict) or trained is None:
+        return []
+    goal = target * trained
+    steps = [num(s) for s in curve.get("steps") or []]
+    accuracy = [num(a) for a in curve.get("accuracy_mean") or []]
+    reached = [
+        s
+        for s, a in zip(steps, accuracy, strict=False)
+        if s is not None and a is not None and a >= goal
+    ]
+    if reached and min(reached) <= max_steps:
+        return []
+    last = run.round_numbers[-1] if run.rounds else None
+    best = max((a for a in accuracy if a is not None), default=None)
+    seen = f"best {best:.1%}" if best is not None else "no accuracy"
+    return [
+        Alert(
+            "cold_start_slow",
+            last,
+            f"new clients reach {seen}, not {goal:.1%} ({target:.0%} of the trained clients' "
+            f"{trained:.1%}) within {max_steps} steps",
+        )
+    ]
+
+
+def privacy_budget(run: RunData, epsilon_max: float) -> list[Alert]:
+    for rnd, eps in _points(run, "privacy", "epsilon"):
+        if eps > epsilon_max:
+            return [Alert("privacy_budget", rnd, f"epsilon {eps:.3g} > {epsilon_max:g}")]
+    return []

@@ -1,0 +1,63 @@
+"""The small digits setup the algorithm unit tests share: 6 clients of scikit-learn's 8x8
+digits (no download), the 2NN, a few short rounds, one held-out new client, sequential."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fedloom
+from fedloom.algorithms import AlgorithmContext
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.local import PlanMaker
+from fedloom.engine.pytree import weighted_average
+from fedloom.models import MLP
+
+SHARDS = {"kind": "shards", "shards_per_client": 2}
+DIRICHLET = {"kind": "dirichlet", "alpha": 0.5}
+
+
+def digits_config(
+    algorithm: dict[str, Any], *, partition: dict[str, Any] = SHARDS, **train: Any
+) -> dict[str, Any]:
+    """3 rounds of 3 clients x 5 local steps of batch 16 at lr 0.05 (``train`` overrides),
+    evaluated at the end."""
+    train = {
+        "rounds": 3,
+        "clients_per_round": 3,
+        "local_steps": 5,
+        "batch_size": 16,
+        "lr": 0.05,
+        **train,
+    }
+    return {
+        "seed": 3,
+        "data": {"name": "digits", "num_clients": 6, "partition": dict(partition)},
+        "model": {"name": "mlp"},
+        "algorithm": algorithm,
+        "train": train,
+        "eval": {"every": train["rounds"], "new_clients": 1},
+        "executor": {"kind": "sequential"},
+    }
+
+
+def run_digits(
+    algorithm: dict[str, Any], *, partition: dict[str, Any] = SHARDS, **train: Any
+) -> fedloom.RunResult:
+    config = digits_config(algorithm, partition=partition, **train)
+    return fedloom.run(config, write=False, progress=False)
+
+
+def digits_ctx(hidden: int = 200, num_classes: int = 10) -> AlgorithmContext:
+    """An AlgorithmContext for the 8x8 digits 2NN, four clients of 30/50/20/40 samples, for
+    testing an algorithm's pieces without the engine."""
+    model = FunctionalModel(MLP((1, 8, 8), num_classes, hidden=hidden), "classification")
+    return AlgorithmContext(
+        model=model,
+        seed=0,
+        num_clients=4,
+        lr=0.1,
+        batch_size=8,
+        aggregate=weighted_average,
+        make_plan=PlanMaker(0, 8),
+        population={0: 30, 1: 50, 2: 20, 3: 40},
+    )

@@ -1,0 +1,367 @@
+"""Per-FedAvg and Reptile (seed 004, first article, 2.1-2.2): the meta-gradients of the three
+Per-FedAvg variants against finite differences of the MAML objective and an independent Hessian,
+a client's local steps against a transcription of Algorithm 1, Reptile's reduction to FedAvg and
+its server step, the deployed (adapted) models, and learning on the shared Fashion-MNIST shards
+setup.
+
+Neither algorithm keeps client state (their client states are None), so there is no
+kill-and-resume test: a resumed run only needs the server state, which every algorithm's
+checkpoint already carries.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fedloom
+from fedloom.algorithms import AlgorithmContext, ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms.perfedavg import (
+    finite_difference_hvp,
+    hessian_vector_product,
+    meta_gradient,
+)
+from fedloom.data.federated import ClientData
+from fedloom.engine.functional import FunctionalModel
+from fedloom.engine.local import PlanMaker
+from fedloom.engine.pytree import Tree, weighted_average
+from fedloom.errors import ConfigError
+from fedloom.models import MLP
+from fedloom.models.base import FedModel
+from tests.algorithms import digits_setup
+from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
+
+ALPHA = 0.3
+
+
+class TanhNet(FedModel):
+    """A tiny smooth network (tanh), so that its Hessian is continuous everywhere."""
+
+    head_modules = ("fc2",)
+
+    def __init__(self, d_in: int = 5, hidden: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def tiny_model() -> tuple[FunctionalModel, Tree]:
+    model = FunctionalModel(TanhNet().double(), "classification")
+    params, _ = model.initial_state(0)
+    return model, params
+
+
+def batch(seed: int, n: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n, 5, generator=gen, dtype=torch.float64),
+        torch.randint(0, 3, (n,), generator=gen),
+    )
+
+
+def flat(tree: Tree) -> torch.Tensor:
+    return torch.cat([v.reshape(-1) for v in tree.values()])
+
+
+def unflat(vector: torch.Tensor, like: Tree) -> Tree:
+    out, offset = {}, 0
+    for k, v in like.items():
+        out[k] = vector[offset : offset + v.numel()].view_as(v)
+        offset += v.numel()
+    return out
+
+
+def grad_of(model: FunctionalModel, params: Tree, data) -> Tree:
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    grads = torch.autograd.grad(model.loss(leaves, {}, *data), list(leaves.values()))
+    return dict(zip(leaves, grads, strict=True))
+
+
+def maml_objective(model, params: Tree, inner, outer, steps: int = 1) -> float:
+    """M(w) = f(u_K(w); D'), u_0 = w, u_{j+1} = u_j - alpha grad f(u_j; D)."""
+    u = params
+    for _ in range(steps):
+        g = grad_of(model, u, inner)
+        u = {k: u[k] - ALPHA * g[k] for k in u}
+    return float(model.loss(u, {}, *outer))
+
+
+def directional_fd(fn, params: Tree, direction: Tree, h: float = 1e-5) -> float:
+    plus = {k: params[k] + h * direction[k] for k in params}
+    minus = {k: params[k] - h * direction[k] for k in params}
+    return (fn(plus) - fn(minus)) / (2 * h)
+
+
+def hessian(model: FunctionalModel, params: Tree, data) -> torch.Tensor:
+    """The full Hessian of f(.; data) at ``params`` (torch.autograd.functional.hessian)."""
+    return torch.autograd.functional.hessian(
+        lambda v: model.loss(unflat(v, params), {}, *data), flat(params).detach()
+    )
+
+
+# -- the meta-gradient ---------------------------------------------------------------------
+@pytest.mark.parametrize(("variant", "steps"), [("hf", 1), ("so", 1), ("so", 2)])
+def test_meta_gradient_equals_finite_differences_of_the_maml_objective(variant, steps):
+    model, params = tiny_model()
+    inner, outer = batch(1), batch(2)
+    step = meta_gradient(model, params, {}, inner, outer, inner, variant, ALPHA, steps)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        d = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()}
+        numeric = directional_fd(lambda w: maml_objective(model, w, inner, outer, steps), params, d)
+        analytic = float(sum((step.grad[k] * d[k]).sum() for k in d))
+        # measured: relative error 6e-11 to 4.5e-9 (float64, central difference h = 1e-5)
+        assert analytic == pytest.approx(numeric, rel=1e-6), (analytic, numeric)
+    assert step.meta_loss == pytest.approx(maml_objective(model, params, inner, outer, steps))
+
+
+def test_first_order_differs_by_exactly_the_curvature_term():
+    model, params = tiny_model()
+    inner, outer = batch(1), batch(2)
+    fo = meta_gradient(model, params, {}, inner, outer, None, "fo", ALPHA)
+    so = meta_gradient(model, params, {}, inner, outer, None, "so", ALPHA)
+    g = grad_of(model, params, inner)
+    temp = {k: params[k] - ALPHA * g[k] for k in params}
+    g_out = flat(grad_of(model, temp, outer))
+    assert torch.allclose(flat(fo.grad), g_out, rtol=0, atol=1e-14)  # fo is grad f(temp; D')
+    expected = ALPHA * hessian(model, params, inner) @ g_out
+    difference = flat(fo.grad) - flat(so.grad)
+    # measured: 1.4e-17 apart (|alpha H g| up to 0.07)
+    assert torch.allclose(difference, expected, rtol=0, atol=1e-12)
+    assert expected.abs().max() > 1e-3  # the term is not negligible here
+
+
+def test_hessian_vector_products_exact_and_finite_difference():
+    model, params = tiny_model()
+    data = batch(4)
+    gen = torch.Generator().manual_seed(5)
+    v = {k: torch.randn(p.shape, generator=gen, dtype=p.dtype) for k, p in params.items()}
+    expected = hessian(model, params, data) @ flat(v)
+    exact = flat(hessian_vector_product(model, params, {}, data, v))
+    assert torch.allclose(exact, expected, rtol=0, atol=1e-12)
+    errors = [
+        (flat(finite_difference_hvp(model, params, {}, data, v, delta)) - expected).abs().max()
+        for delta in (1e-4, 1e-5)
+    ]
+    # the paper's central difference is O(delta^2): measured 6.3e-8 and 6.3e-10
+    assert errors[1] < 1e-8
+    assert 50 < errors[0] / errors[1] < 200
+
+
+# -- one client's round: Algorithm 1, transcribed --------------------------------------------
+def tiny_ctx(n: int = 40, batch_size: int | None = 8) -> tuple[AlgorithmContext, ClientData]:
+    model, _ = tiny_model()
+    x, y = batch(5, n)
+    data = ClientData(x_train=x, y_train=y, x_test=x[:4], y_test=y[:4])
+    ctx = AlgorithmContext(
+        model=model,
+        seed=0,
+        num_clients=4,
+        lr=0.2,
+        batch_size=batch_size,
+        aggregate=weighted_average,
+        make_plan=PlanMaker(0, batch_size),
+        population={0: n, 1: 10, 2: 30, 3: 20},
+    )
+    return ctx, data
+
+
+@pytest.mark.parametrize("straggler", [False, True])
+def test_perfedavg_hf_client_round_is_algorithm_1(straggler):
+    ctx, data = tiny_ctx()
+    algo = build_algorithm({"name": "perfedavg", "alpha": ALPHA, "beta": 0.1}, ctx)
+    params, buffers = ctx.model.initial_state(0)
+    server = algo.init_server_state(params, buffers)
+    full = ctx.make_plan(data, 6, "batches", 2, 0)
+    plan = full[:3] if straggler else full
+    result = algo.client_update(
+        algo.server_message(server), None, ClientTask(0, data, plan, 0.2, 2)
+    )
+    # the transcription: D from the task's plan, D' and D'' from their own streams
+    outer = ctx.make_plan(data, 6, "perfedavg/outer", 2, 0)
+    hess = ctx.make_plan(data, 6, "perfedavg/hessian", 2, 0)
+    x, y = data.x_train, data.y_train
+    w = params
+    for d, d1, d2 in zip(plan, outer, hess, strict=False):
+        g = grad_of(ctx.model, w, (x[d], y[d]))
+        temp = {k: w[k] - ALPHA * g[k] for k in w}
+        g_out = flat(grad_of(ctx.model, temp, (x[d1], y[d1])))
+        direction = g_out - ALPHA * hessian(ctx.model, w, (x[d2], y[d2])) @ g_out
+        w = unflat(flat(w) - 0.1 * direction, w)
+    assert torch.allclose(flat(result.upload["params"]), flat(w), rtol=0, atol=1e-12)
+    assert result.weight == 0.25  # weighting: uniform, 1/K
+    assert result.state is None
+    assert not torch.equal(outer[0], plan[0]) and not torch.equal(hess[0], outer[0])
+
+
+def test_perfedavg_server_is_the_uniform_mean_of_the_uploads():
+    ctx, _ = tiny_ctx()
+    algo = build_algorithm({"name": "perfedavg"}, ctx)
+    server = algo.init_server_state(*ctx.model.initial_state(0))
+    gen = torch.Generator().manual_seed(0)
+    models = [
+        {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in server["params"].items()}
+        for _ in range(3)
+    ]
+    results = [
+        ClientResult({"params": m, "buffers": {}}, ctx.objective_weight(c, "uniform"), 0.0)
+        for c, m in enumerate(models)
+    ]
+    new = algo.aggregate(server, results)
+    for k in server["params"]:
+        assert torch.allclose(new["params"][k], sum(m[k] for m in models) / 3, atol=1e-12)
+
+
+# -- deployment: theta adapted to the client ------------------------------------------------
+@pytest.mark.parametrize(("name", "lr"), [("perfedavg", ALPHA), ("reptile", 0.2)])
+def test_deployed_model_is_theta_after_adapt_steps_sgd_steps(name, lr):
+    ctx, data = tiny_ctx()
+    extra = {"alpha": ALPHA} if name == "perfedavg" else {}
+    for steps in (0, 1, 3):
+        algo = build_algorithm({"name": name, "adapt_steps": steps, **extra}, ctx)
+        server = algo.init_server_state(*ctx.model.initial_state(0))
+        task = ClientTask(0, data, [], ctx.lr, 7)
+        params, _ = algo.deployed_model(server, None, task)
+        if steps == 0:
+            assert params is server["params"]
+            continue
+        w = server["params"]
+        for idx in ctx.make_plan(data, steps, "adapt", 7, 0):
+            g = grad_of(ctx.model, w, (data.x_train[idx], data.y_train[idx]))
+            w = {k: w[k] - lr * g[k] for k in w}
+        assert torch.allclose(flat(params), flat(w), rtol=0, atol=1e-12), steps
+        assert (flat(params) - flat(server["params"])).abs().max() > 1e-3
+    assert build_algorithm({"name": name, **extra}, ctx).config.adapt_steps == 1
+
+
+def test_cold_start_adapts_at_alpha_from_theta():
+    ctx, data = tiny_ctx()
+    algo = build_algorithm({"name": "perfedavg", "alpha": 0.07}, ctx)
+    server = algo.init_server_state(*ctx.model.initial_state(0))
+    assert algo.adaptation_lr() == 0.07
+    params, _ = algo.new_client_model(server, ClientTask(3, data, [], ctx.lr, 1))
+    assert params is server["params"]
+    assert build_algorithm({"name": "reptile"}, ctx).adaptation_lr() is None  # train.lr
+
+
+# -- Reptile -------------------------------------------------------------------------------
+def digits_config(algorithm: dict, **train) -> dict:
+    return digits_setup.digits_config(
+        algorithm, partition=digits_setup.DIRICHLET, **{"stragglers": 0.3, **train}
+    )
+
+
+def run(algorithm: dict, **train) -> fedloom.RunResult:
+    return fedloom.run(digits_config(algorithm, **train), write=False, progress=False)
+
+
+@pytest.mark.parametrize("local_steps", [1, 5])
+def test_reptile_with_epsilon_one_is_fedavg(local_steps):
+    fedavg = run({"name": "fedavg"}, local_steps=local_steps)
+    reptile = run(
+        {"name": "reptile", "epsilon": 1.0, "weighting": "samples", "adapt_steps": 0},
+        local_steps=local_steps,
+    )
+    for key, value in fedavg.global_params.items():
+        # measured: 7.5e-9 (the float64 server step rounds back to float32)
+        assert torch.allclose(value, reptile.global_params[key], rtol=0, atol=1e-6), key
+    for c, params in reptile.client_params.items():  # adapt_steps 0: every client deploys theta
+        for key, value in params.items():
+            assert torch.equal(value, reptile.global_params[key]), (c, key)
+    assert fedavg.summary["communication"] == reptile.summary["communication"]
+
+
+def test_reptile_epsilon_scales_the_server_step_exactly():
+    theta0, _ = FunctionalModel(MLP((1, 8, 8), 10), "classification").initial_state(3)
+    full = run({"name": "reptile", "epsilon": 1.0}, rounds=1)
+    half = run({"name": "reptile", "epsilon": 0.5}, rounds=1)
+    for key, start in theta0.items():
+        step_full = full.global_params[key] - start
+        step_half = half.global_params[key] - start
+        assert torch.allclose(step_half, 0.5 * step_full, rtol=0, atol=1e-7), key
+        assert step_full.abs().max() > 1e-3
+
+
+def test_reptile_server_step_with_uniform_weights():
+    ctx, _ = tiny_ctx()
+    algo = build_algorithm({"name": "reptile", "epsilon": 0.3}, ctx)
+    server = algo.init_server_state(*ctx.model.initial_state(0))
+    assert sorted(server) == ["buffers", "params"]  # no optimizer slots
+    gen = torch.Generator().manual_seed(1)
+    phis = [
+        {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in server["params"].items()}
+        for _ in range(2)
+    ]
+    results = [
+        ClientResult({"params": p, "buffers": {}}, ctx.objective_weight(c, "uniform"), 0.0)
+        for c, p in enumerate(phis)
+    ]
+    new = algo.aggregate(server, results)
+    for k, theta in server["params"].items():
+        expected = theta + 0.3 * ((phis[0][k] + phis[1][k]) / 2 - theta)
+        assert torch.allclose(new["params"][k], expected, rtol=0, atol=1e-12), k
+
+
+def test_the_vectorized_executor_batches_reptile_and_runs_perfedavg_per_client():
+    ctx, _ = tiny_ctx()
+    assert build_algorithm({"name": "reptile"}, ctx).uses_shared_local_solver()
+    assert not build_algorithm({"name": "perfedavg"}, ctx).uses_shared_local_solver()
+
+
+# -- configuration --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("algorithm", "key"),
+    [
+        ({"name": "perfedavg", "variant": "hf", "inner_steps": 2}, "algorithm.inner_steps"),
+        ({"name": "perfedavg", "variant": "fo", "hvp_delta": 1e-3}, "algorithm.hvp_delta"),
+        ({"name": "perfedavg", "variant": "exact"}, "algorithm.variant"),
+        ({"name": "perfedavg", "alpha": 0}, "algorithm.alpha"),
+        ({"name": "perfedavg", "adapt_steps": -1}, "algorithm.adapt_steps"),
+        ({"name": "reptile", "epsilon": 0}, "algorithm.epsilon"),
+        ({"name": "reptile", "weighting": "size"}, "algorithm.weighting"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_key(algorithm, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        run(algorithm)
+
+
+def test_perfedavg_variants_run_end_to_end():
+    losses = {}
+    for variant in ({"variant": "fo"}, {"variant": "hf", "hvp_delta": 1e-3}, {"variant": "so"}):
+        result = run({"name": "perfedavg", "alpha": 0.05, **variant})
+        assert math.isfinite(result.history[-1]["train_loss"])
+        losses[variant["variant"]] = result.history[-1]["client_info"]["meta_loss"]
+    assert len(set(losses.values())) == 3  # the variants take different steps
+
+
+# -- learning on the shared personalized setup (tests/algorithms/pfl_setup.py) -------------
+@pytest.mark.slow
+def test_perfedavg_beats_fedavg_on_label_shards(data_root):
+    # Half the setup's rounds: an exact-HVP step costs about 3.5x a plain one. Measured (seed 0,
+    # alpha 0.01, one adaptation step at alpha): personalized mean 0.8837 (P10 0.667) after 10
+    # rounds, 0.9441 (P10 0.898) after the setup's 20; fo: 0.9103 / 0.9362, so: 0.9182 after
+    # 10. FedAvg's global model on the same clients: 0.6215; FedAvg + one step at 0.01 (the
+    # same adaptation, fedavg_ft): 0.9075 after 20 rounds.
+    result = run_pfl({"name": "perfedavg", "variant": "hf", "alpha": 0.01}, rounds=10)
+    accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
+    assert accuracy >= fedavg_accuracy_on_clients() + 0.2, accuracy
+
+
+@pytest.mark.slow
+def test_reptile_beats_fedavg_on_label_shards(data_root):
+    # Measured (seed 0, epsilon 1, one adaptation step at train.lr): personalized mean 0.9405
+    # (P10 0.857); epsilon 0.5: 0.9183. FedAvg's global model on the same clients: 0.6215.
+    # Every client holds 2 shards of equal size, so uniform weights are FedAvg's n_k/n and
+    # epsilon 1 trains FedAvg's global model exactly (0.6214 here): the gain is the one
+    # adaptation step (FedAvg + one step at 0.05 on another minibatch, fedavg_ft: 0.9459).
+    result = run_pfl({"name": "reptile"})
+    accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
+    assert accuracy >= fedavg_accuracy_on_clients() + 0.25, accuracy

@@ -1,0 +1,110 @@
+"""The alert rules (report/alerts.py) fire at the round the seed's conditions first hold, and
+the report shows them."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from fedloom.report.alerts import evaluate_alerts
+from fedloom.report.html import write_report
+from fedloom.report.rundir import load_run
+from tests.report.fake_run import COLD_START, CONFIG, make_rows, make_run_dir
+
+
+def alerts_of(tmp_path: Path, rows, config=None, summary=True) -> dict[str, list]:
+    run = load_run(make_run_dir(tmp_path / "run", rows, config=config, summary=summary))
+    fired: dict[str, list] = {}
+    for alert in evaluate_alerts(run):
+        fired.setdefault(alert.rule, []).append(alert.round)
+    return fired
+
+
+def with_alerts(**alerts) -> dict:
+    config = copy.deepcopy(CONFIG)
+    config["monitor"] = {"alerts": alerts}
+    return config
+
+
+def test_a_healthy_run_fires_nothing(tmp_path):
+    assert alerts_of(tmp_path, make_rows()) == {}
+
+
+def test_loss_plateau_after_patience_evaluations(tmp_path):
+    rows = make_rows(12)
+    for i, row in enumerate(rows[4:], start=4):  # the loss stops improving after round 20
+        row["global"]["loss"] = rows[3]["global"]["loss"] + 0.01 * (i % 2)
+    fired = alerts_of(tmp_path, rows)
+    assert fired["loss_plateau"] == [45.0]  # 5 evaluations (25..45) without a new minimum
+    assert alerts_of(tmp_path / "b", rows, config=with_alerts(loss_patience=8))["loss_plateau"] == [
+        60.0
+    ]
+
+
+def test_exploding_and_vanishing_update_norms(tmp_path):
+    rows = make_rows(6)
+    rows[3]["monitor"]["update_norm"]["p50"] = 11 * rows[0]["monitor"]["update_norm"]["p50"]
+    assert alerts_of(tmp_path, rows)["update_norm_exploding"] == [20.0]
+    rows = make_rows(6)
+    rows[4]["monitor"]["update_norm"]["p50"] = float("nan")
+    assert alerts_of(tmp_path / "nan", rows)["update_norm_exploding"] == [25.0]
+    rows = make_rows(6)
+    rows[2]["monitor"]["update_norm"]["p50"] = 1e-4 * rows[0]["monitor"]["update_norm"]["p50"]
+    assert alerts_of(tmp_path / "small", rows)["update_norm_vanishing"] == [15.0]
+
+
+def test_p10_below_threshold_at_the_latest_evaluation(tmp_path):
+    rows = make_rows(4)
+    rows[-1]["personalized"]["accuracy_p10"] = 0.5
+    assert alerts_of(tmp_path, rows)["p10_low"] == [20.0]
+    assert "p10_low" not in alerts_of(tmp_path / "off", rows, config=with_alerts(p10_min=None))
+
+
+def test_zeta_jump_over_200_percent(tmp_path):
+    rows = make_rows(5)
+    rows[3]["monitor"]["zeta2"] = 3.1 * rows[2]["monitor"]["zeta2"]
+    fired = alerts_of(tmp_path, rows)
+    assert fired["zeta_jump"] == [20.0]
+    rows[3]["monitor"]["zeta2"] = 2.9 * rows[2]["monitor"]["zeta2"]
+    assert "zeta_jump" not in alerts_of(tmp_path / "b", rows)
+
+
+def test_communication_over_budget(tmp_path):
+    rows = make_rows(10)  # 7.1 MB per round in each direction: 71 MB by round 5, 142 by 10
+    fired = alerts_of(tmp_path, rows, config=with_alerts(communication_budget_mb=100))
+    assert fired["communication_budget"] == [10.0]
+    assert "communication_budget" not in alerts_of(tmp_path / "b", rows)  # no budget set
+
+
+def test_slow_cold_start(tmp_path):
+    rows = make_rows(4, new_clients=True)  # COLD_START reaches 0.83 after 20 steps
+    assert "cold_start_slow" not in alerts_of(tmp_path, rows)  # trained mean ~0.9: 0.9 x = 0.81
+    fired = alerts_of(tmp_path / "b", rows, config=with_alerts(cold_start_steps=5))
+    assert fired["cold_start_slow"] == [20.0]
+    assert COLD_START["accuracy_mean"][2] < 0.81
+
+
+def test_privacy_budget(tmp_path):
+    rows = make_rows(4)
+    for i, row in enumerate(rows):
+        row["privacy"] = {"epsilon": 4.0 * (i + 1)}
+    assert alerts_of(tmp_path, rows)["privacy_budget"] == [15.0]
+
+
+def test_report_lists_the_alerts_with_their_round(tmp_path):
+    rows = make_rows(4)
+    rows[-1]["personalized"]["accuracy_p10"] = 0.5
+    html = write_report(make_run_dir(tmp_path / "run", rows)).read_text()
+    assert 'id="alerts"' in html and "p10_low" in html and "round 20" in html
+    healthy = write_report(make_run_dir(tmp_path / "ok", make_rows(4))).read_text()
+    assert "No alert rule fired." in healthy
+
+
+def test_privacy_panel_only_when_a_mechanism_reports_epsilon(tmp_path):
+    rows = make_rows(3)
+    plain = write_report(make_run_dir(tmp_path / "plain", rows)).read_text()
+    assert 'id="privacy"' not in plain
+    for i, row in enumerate(rows):
+        row["privacy"] = {"epsilon": 1.0 + i, "delta": 1e-5}
+    html = write_report(make_run_dir(tmp_path / "dp", rows)).read_text()
+    assert 'id="fig-privacy"' in html
