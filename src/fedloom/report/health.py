@@ -129,13 +129,19 @@ def client_heterogeneity_panel(run: RunData) -> Panel:
     if not kl and not js:
         panel.note = "No heterogeneity.json in this run directory."
         return panel
-    clients = sorted(set(kl) | set(js), key=lambda c: int(c) if str(c).isdigit() else str(c))
+    clients = sorted(
+        set(kl) | set(js), key=lambda c: (0, int(c), "") if str(c).isdigit() else (1, 0, str(c))
+    )
     names = [f"client {c}" for c in clients]
     fig = go.Figure()
     if kl:
         fig.add_trace(
             go.Bar(
-                x=names, y=[num(kl.get(c)) for c in clients], name="label KL", marker_color=PERSONAL
+                x=names,
+                y=[num(kl.get(c)) for c in clients],
+                name="label KL",
+                marker_color=PERSONAL,
+                offsetgroup="kl",  # side by side with the JS bars on the second axis
             )
         )
     if js:
@@ -146,6 +152,7 @@ def client_heterogeneity_panel(run: RunData) -> Panel:
                 name="feature JS",
                 marker_color=NEW_CLIENTS,
                 yaxis="y2",
+                offsetgroup="js",
             )
         )
     base_layout(fig, height=380, x_title="client", y_title="label KL (nats)")
