@@ -79,3 +79,31 @@ def test_mlflow_run_holds_params_metrics_and_summary(tmp_path, monkeypatch):
     expected = [row["global"]["accuracy"] for row in result.history]
     assert [m.value for m in history] == pytest.approx(expected, rel=1e-6)
     assert run.info.status == "FINISHED"
+
+
+def test_a_failed_run_ends_its_mlflow_run_as_failed(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from fedloom.config import parse_config
+    from fedloom.data import load_dataset
+    from fedloom.engine.loop import Engine
+    from fedloom.models import build_model
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    cfg = parse_config(config(mlflow=uri, experiment="failing"))
+    data = load_dataset(cfg.data, cfg.seed)
+    module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
+
+    def crash(upload, client_id, round):
+        if round == 2:
+            raise RuntimeError("killed")
+        return upload
+
+    with pytest.raises(RuntimeError, match="killed"):
+        Engine(cfg, data, module, upload_transforms=[crash]).run()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("failing").experiment_id])
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "global.accuracy")] == [1]

@@ -120,6 +120,7 @@ class Engine:
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
         self._pooled = pooled_client(data, self.train_ids) if self.algorithm.pooled else None
         self._monitor_data: dict[int, ClientData] | None = None
+        self._open_trackers: list[Tracker] = []
 
     # -- per-client work orders -----------------------------------------------------------
     def client_data(self, client_id: int) -> ClientData:
@@ -295,10 +296,13 @@ class Engine:
         with intra_op_threads(cfg.executor.threads):
             clients = list(self.data.clients) + ([self._pooled] if self._pooled is not None else [])
             self.executor.prepare(clients)
+            self._open_trackers = self._trackers()
             try:
                 return self._run(resume)
             finally:
                 self.executor.close()
+                for tracker in self._open_trackers:  # a run that failed: close them as such
+                    tracker.close(None, failed=True)
 
     def _run(self, resume: bool) -> RunResult:
         cfg = self.config
@@ -323,7 +327,7 @@ class Engine:
         first = st["round"] + 1
         monitor = cfg.monitor.enabled
         heterogeneity = self._heterogeneity() if monitor else None
-        trackers = self._trackers()
+        trackers = self._open_trackers
         with RoundProgress(rounds, first - 1, enabled=self.progress) as bar:
             for round in range(first, rounds + 1):
                 last = round == rounds
@@ -333,7 +337,8 @@ class Engine:
                 server, states, st = self._one_round(
                     round, server, states, st, monitor and evaluate
                 )
-                round_seconds = time.perf_counter() - tick
+                # training time alone: the update statistics' share is reported as monitoring
+                round_seconds = time.perf_counter() - tick - st.get("monitor_seconds", 0.0)
                 if evaluate:
                     row, deployed = self.evaluate(server, states, round)
                     if monitor:
@@ -389,6 +394,7 @@ class Engine:
             summary["heterogeneity"] = heterogeneity_summary(heterogeneity, history)
         for tracker in trackers:
             tracker.close(summary)
+        self._open_trackers = []
         extras = self.algorithm.summary_extras(server)
         if extras:
             summary["extras"] = extras

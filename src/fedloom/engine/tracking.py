@@ -46,7 +46,7 @@ def _require(module: str, key: str, package: str) -> Any:
 class Tracker(Protocol):
     def log(self, row: dict[str, Any]) -> None: ...
 
-    def close(self, summary: dict[str, Any] | None) -> None: ...
+    def close(self, summary: dict[str, Any] | None, failed: bool = False) -> None: ...
 
 
 class TensorBoardTracker:
@@ -63,7 +63,7 @@ class TensorBoardTracker:
             self.writer.add_scalar(name, value, global_step=int(row["round"]))
         self.writer.flush()
 
-    def close(self, summary: dict[str, Any] | None) -> None:
+    def close(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -83,10 +83,10 @@ class MLflowTracker:
         metrics = {k.replace("/", "."): v for k, v in scalars(row).items()}
         self.mlflow.log_metrics(metrics, step=int(row["round"]))
 
-    def close(self, summary: dict[str, Any] | None) -> None:
+    def close(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
         if summary is not None:
             self.mlflow.log_dict(summary, "summary.json")
-        self.mlflow.end_run()
+        self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
 def _flat_config(obj: Any, prefix: str = "") -> dict[str, Any]:
