@@ -29,9 +29,13 @@ def batch_plan(
     if batch_size is None or batch_size >= n:
         full = torch.arange(n)
         return [full] * num_steps
+    # the same views as ``perm.split(batch_size)``, but split_with_sizes is a direct ATen
+    # call: Tensor.split's Python wrapper cost about 8 us per call, more than the randperm
+    # (1,000 clients per round in W3)
+    sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
     plan: list[torch.Tensor] = []
     while len(plan) < num_steps:
-        plan.extend(torch.randperm(n, generator=gen).split(batch_size))
+        plan.extend(torch.randperm(n, generator=gen).split_with_sizes(sizes))
     return plan[:num_steps]
 
 

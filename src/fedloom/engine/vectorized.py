@@ -7,6 +7,16 @@ step at position s gets an update multiplied by 0, so every client follows exact
 sequential executor's trajectory (up to float summation order). Models with normalization
 layers are grouped by batch size at each step instead of padded, since padding would change
 batch statistics.
+
+Data movement is kept out of the per-step loop: ``prepare`` concatenates every client's
+training data once into an :class:`Arena`; at the start of a chunk ``Arena.batch_index`` turns
+the chunk's batch plans into one (steps, clients, width) tensor of arena rows (plus sample
+weights and per-step batch sizes), built with tensor ops rather than per-minibatch Python
+lists; each step then gathers its minibatches with ``index_select`` into one buffer allocated
+once per chunk. For W3 (1000 clients x 6 steps of 10 MNIST-sized samples, logistic regression)
+this gather is 31 MB per step and ``index_select`` is 3x faster than advanced indexing
+``x[rows]``; what remains of a step is the vmapped forward/backward (small per-client batched
+matmuls) and the in-place update.
 """
 
 from __future__ import annotations
@@ -43,7 +53,9 @@ def stack(trees: list[Tree]) -> Tree:
 
 
 def unstack(tree: Tree, n: int) -> list[Tree]:
-    return [{k: v[i] for k, v in tree.items()} for i in range(n)]
+    """Per-client views of a stacked tree (one ``unbind`` per key, not n indexing calls)."""
+    rows = {k: v.unbind(0) for k, v in tree.items()}
+    return [{k: r[i] for k, r in rows.items()} for i in range(n)]
 
 
 def stack_states(states: list[State | None]) -> Any:
@@ -139,7 +151,9 @@ class VectorizedExecutor:
                 algorithm.client_update(message, s, t) for t, s in zip(tasks, states, strict=True)
             ]
         plans = [algorithm.client_plan(t) for t in tasks]
-        max_batch = max((len(b) for plan in plans for b in plan), default=1)
+        # shape[0], not len(): Tensor.__len__ is a Python-level call (about 1 us, 6 ms for
+        # W3's 6,000 minibatches)
+        max_batch = max((b.shape[0] for plan in plans for b in plan), default=1)
         size = self.chunk_size(tasks, max_batch)
         self.last_chunk_size = size
         # Most local steps first: chunks hold clients of similar budgets (little padding), and
@@ -181,10 +195,21 @@ class VectorizedExecutor:
         lr = algorithm.local_lr(tasks[0])
         datas = [t.data for t in tasks]
         arena = (
-            self._arena if self._arena is not None and self._arena.holds(datas) else Arena(datas)
+            self._arena
+            if self._arena is not None and self._arena.holds(datas)
+            else Arena(datas, dev)
         )
-        index, weight, steps = arena.batch_index(datas, plans)
+        index, weight, sizes, steps = arena.batch_index(datas, plans)
         x_all, y_all = arena.x, arena.y
+        width_all = index.shape[2]
+        # one preallocated buffer per chunk that every step's minibatches are gathered into
+        # (index_select with out=): 3x faster than advanced indexing x[rows] for rows of
+        # 784 floats, and no fresh 31 MB block per step (W3)
+        x_buf = torch.empty((num * width_all, *x_all.shape[1:]), dtype=x_all.dtype, device=dev)
+        y_buf = torch.empty((num * width_all, *y_all.shape[1:]), dtype=y_all.dtype, device=dev)
+        index = index.to(dev)
+        weight = weight.to(dev)
+        size_rows = sizes.tolist()
         loss_sum = torch.zeros(num)
         for s in range(index.shape[0]):
             active = [c for c in range(num) if s < steps[c]]
@@ -201,7 +226,8 @@ class VectorizedExecutor:
                     loss_sum,
                 )
                 break
-            for members, width in self._groups(active, [len(plans[c][s]) for c in active]):
+            row_sizes = size_rows[s]
+            for members, width in self._groups(active, [row_sizes[c] for c in active]):
                 # a slice (prefix) gives views, updated in place; a list of rows (BatchNorm
                 # size group) gives copies, written back below
                 sub = members
@@ -209,10 +235,14 @@ class VectorizedExecutor:
                 b_in = {k: v[sub] for k, v in buffers.items()}
                 v_in = {k: v[sub] for k, v in velocity.items()}
                 st_in = _index_state(stacked_state, sub)
-                rows = index[s, sub, :width].to(dev)
-                xb = x_all[rows.reshape(-1)].view(*rows.shape, *x_all.shape[1:]).to(dev)
-                yb = y_all[rows.reshape(-1)].view(*rows.shape, *y_all.shape[1:]).to(dev)
-                wb = weight[s, sub, :width].to(dev)
+                rows = index[s, sub, :width]
+                flat = rows.reshape(-1)
+                n = flat.shape[0]
+                xb = torch.index_select(x_all, 0, flat, out=x_buf[:n])
+                yb = torch.index_select(y_all, 0, flat, out=y_buf[:n])
+                xb = xb.view(*rows.shape, *x_all.shape[1:])
+                yb = yb.view(*rows.shape, *y_all.shape[1:])
+                wb = weight[s, sub, :width]
                 on = (wb.sum(dim=1) > 0).to(wb.dtype)
                 new_p, losses = step(p_in, b_in, v_in, xb, yb, wb, on, lr, st_in)
                 if not isinstance(members, slice):
@@ -227,11 +257,12 @@ class VectorizedExecutor:
         cpu_params = unstack({k: v.cpu() for k, v in params.items()}, num)
         cpu_buffers = unstack({k: v.cpu() for k, v in buffers.items()}, num) if buffers else None
         cpu_velocity = unstack({k: v.cpu() for k, v in velocity.items()}, num) if momentum else None
+        losses = loss_sum.tolist()
         return [
             LocalSolution(
                 cpu_params[c],
                 cpu_buffers[c] if cpu_buffers else {},
-                float(loss_sum[c]) / max(1, steps[c]),
+                losses[c] / max(1, steps[c]),
                 starts[c][0],
                 lr,
                 steps[c],
@@ -372,26 +403,37 @@ class Arena:
 
     def batch_index(
         self, clients: list[ClientData], plans: list[list[torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """(steps, clients, width) arena rows and 0/1 sample weights for the chunk's plans
-        (padding rows point at row 0 with weight 0), and each client's number of steps."""
+        (padding rows point at row 0 with weight 0), the (steps, clients) minibatch sizes
+        (0 where a client has no step s), and each client's number of steps."""
         steps = [len(p) for p in plans]
-        lens = [len(b) for p in plans for b in p]
+        batches = [b for p in plans for b in p]
+        lens = [b.shape[0] for b in batches]
         width = max(lens, default=1)
         index = torch.zeros(max(steps, default=0), len(plans), width, dtype=torch.long)
         weight = torch.zeros(index.shape)
+        sizes = torch.zeros(index.shape[:2], dtype=torch.long)
         if not lens:
-            return index, weight, steps
-        # one row per minibatch: its step s, its client c, and the arena offset of c
-        step_of = [s for p in plans for s in range(len(p))]
-        client_of = [c for c, p in enumerate(plans) for _ in p]
-        offsets = [self.offsets[id(d)] for d in clients]
+            return index, weight, sizes, steps
+        # one entry per minibatch: its step s and its client c, built with tensor ops (Python
+        # lists of 6,000 minibatches, converted with torch.tensor, took 4 of 7 ms in W3)
+        steps_t = torch.tensor(steps)
+        client_of = torch.repeat_interleave(torch.arange(len(plans)), steps_t)
+        first = torch.cumsum(steps_t, 0) - steps_t
+        step_of = torch.arange(len(batches)) - torch.repeat_interleave(first, steps_t)
+        offsets = torch.tensor([self.offsets[id(d)] for d in clients])
         lengths = torch.tensor(lens)
-        rows = torch.cat([b for p in plans for b in p])
+        rows = torch.cat(batches)
+        sizes[step_of, client_of] = lengths
+        if min(lens) == width:  # every minibatch full: one row of the index each
+            index[step_of, client_of] = rows.view(-1, width) + offsets[client_of, None]
+            weight[step_of, client_of] = 1.0
+            return index, weight, sizes, steps
         starts = torch.cumsum(lengths, 0) - lengths
-        s_idx = torch.repeat_interleave(torch.tensor(step_of), lengths)
-        c_idx = torch.repeat_interleave(torch.tensor(client_of), lengths)
+        s_idx = torch.repeat_interleave(step_of, lengths)
+        c_idx = torch.repeat_interleave(client_of, lengths)
         j_idx = torch.arange(len(rows)) - torch.repeat_interleave(starts, lengths)
-        index[s_idx, c_idx, j_idx] = rows + torch.tensor(offsets)[c_idx]
+        index[s_idx, c_idx, j_idx] = rows + offsets[c_idx]
         weight[s_idx, c_idx, j_idx] = 1.0
-        return index, weight, steps
+        return index, weight, sizes, steps
