@@ -107,6 +107,27 @@ def round_line(
     )
 
 
+def add_band(
+    fig: go.Figure,
+    run: RunData,
+    low: list[float | None],
+    high: list[float | None],
+    name: str,
+    fill: str,
+) -> None:
+    """A shaded band between two per-round series (one legend entry, no hover)."""
+    band = {"x": run.round_numbers, "mode": "lines", "line": {"width": 0}, "hoverinfo": "skip"}
+    fig.add_trace(go.Scatter(y=high, showlegend=False, legendgroup=name, **band))
+    fig.add_trace(
+        go.Scatter(y=low, fill="tonexty", fillcolor=fill, name=name, legendgroup=name, **band)
+    )
+
+
+def right_axis(title: str) -> dict:
+    """Layout of a second y axis on the right, over the first (``yaxis2``)."""
+    return {"title": title, "overlaying": "y", "side": "right", "showgrid": False}
+
+
 def no_rounds(panel: Panel) -> Panel:
     panel.note = "No evaluated rounds yet."
     return panel
@@ -135,18 +156,7 @@ def accuracy_panel(run: RunData) -> Panel:
     fig = go.Figure()
     has_band = any(v is not None for v in p10) and any(v is not None for v in p90)
     if has_band:
-        band = {"x": run.round_numbers, "mode": "lines", "line": {"width": 0}, "hoverinfo": "skip"}
-        fig.add_trace(go.Scatter(y=p90, showlegend=False, legendgroup="band", **band))
-        fig.add_trace(
-            go.Scatter(
-                y=p10,
-                fill="tonexty",
-                fillcolor=PERSONAL_BAND,
-                name="personalized P10–P90",
-                legendgroup="band",
-                **band,
-            )
-        )
+        add_band(fig, run, p10, p90, "personalized P10–P90", PERSONAL_BAND)
     if any(v is not None for v in p50):
         median = round_line(
             run, p50, "personalized P50", PERSONAL, dash="dot", width=1.8, hover=pct

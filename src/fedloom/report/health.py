@@ -13,8 +13,10 @@ from fedloom.report.figures import (
     TRAIN,
     UP,
     Panel,
+    add_band,
     base_layout,
     no_rounds,
+    right_axis,
     round_layout,
     round_line,
 )
@@ -42,13 +44,7 @@ def update_norm_panel(run: RunData) -> Panel:
         panel.note = MONITOR_OFF
         return panel
     fig = go.Figure()
-    band = {"x": run.round_numbers, "mode": "lines", "line": {"width": 0}, "hoverinfo": "skip"}
-    fig.add_trace(go.Scatter(y=p90, showlegend=False, legendgroup="band", **band))
-    fig.add_trace(
-        go.Scatter(
-            y=p10, fill="tonexty", fillcolor=NORM_BAND, name="P10–P90", legendgroup="band", **band
-        )
-    )
+    add_band(fig, run, p10, p90, "P10–P90", NORM_BAND)
     fig.add_trace(round_line(run, p50, "median", NORM))
     fig.add_trace(round_line(run, top, "max", NORM, dash="dot", width=1.6))
     round_layout(fig, run, y_title="||Δ_k||")
@@ -158,12 +154,7 @@ def client_heterogeneity_panel(run: RunData) -> Panel:
     base_layout(fig, height=380, x_title="client", y_title="label KL (nats)")
     fig.update_layout(
         barmode="group",
-        yaxis2={
-            "title": "feature JS (bits)",
-            "overlaying": "y",
-            "side": "right",
-            "showgrid": False,
-        },
+        yaxis2=right_axis("feature JS (bits)"),
     )
     panel.figure = fig
     return panel
@@ -203,7 +194,7 @@ def resources_panel(run: RunData) -> Panel:
         fig.add_trace(trace)
     round_layout(fig, run, y_title="seconds")
     fig.update_layout(
-        yaxis2={"title": "MB", "overlaying": "y", "side": "right", "showgrid": False},
+        yaxis2=right_axis("MB"),
     )
     panel.figure = fig
     return panel
