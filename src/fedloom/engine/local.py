@@ -7,12 +7,14 @@ same plan is reproduced on every executor.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel, GradCorrection
+from fedloom.engine.lean import backward
 from fedloom.engine.pytree import Tree
 from fedloom.rng import generator
 
@@ -54,6 +56,36 @@ class PlanMaker:
     ) -> list[torch.Tensor]:
         gen = generator(self.seed, purpose, round, client_id)
         return batch_plan(data.num_train, self.batch_size, num_steps, gen)
+
+
+GATHER_BYTES = 8 << 20
+"""Consecutive steps' minibatches are gathered together up to about this many bytes."""
+
+
+def minibatches(
+    x: torch.Tensor, y: torch.Tensor, plan: list[torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's minibatch ``(x[idx], y[idx])`` along ``plan``, gathered with one indexing
+    call per group of consecutive steps (up to GATHER_BYTES) and handed out as contiguous
+    slices: an epoch's reordering is one copy, not one gather per step (W3's 6 steps of 10
+    MNIST samples: 6 us less per step)."""
+    row_bytes = max(1, x[:1].numel() * x.element_size())
+    i = 0
+    while i < len(plan):
+        j, rows = i + 1, plan[i].shape[0]
+        while j < len(plan) and (rows + plan[j].shape[0]) * row_bytes <= GATHER_BYTES:
+            rows += plan[j].shape[0]
+            j += 1
+        if j - i == 1:
+            yield x[plan[i]], y[plan[i]]
+        else:
+            idx = torch.cat(plan[i:j])
+            sizes = [b.shape[0] for b in plan[i:j]]
+            # split_with_sizes: all the views in one call (slicing costs ~3 us a view)
+            yield from zip(
+                x[idx].split_with_sizes(sizes), y[idx].split_with_sizes(sizes), strict=True
+            )
+        i = j
 
 
 @dataclass
@@ -99,25 +131,27 @@ def local_sgd(
     if momentum:
         flat_velocity = torch.zeros_like(flat)
         if velocity is not None:
-            torch.cat([velocity[k].reshape(-1) for k in lean.keys], out=flat_velocity)
+            lean.flatten_into(velocity, flat_velocity)
     total = 0.0
-    for idx in plan:
-        flat_grad.zero_()
-        with torch.enable_grad():
-            loss = model.loss_from_output(lean.module(x[idx]), y[idx])
-            loss.backward()
-        with torch.no_grad():
+    # one grad-mode switch for the loop, not two context managers a step: the updates below
+    # touch only the flat buffers, which autograd does not track (the parameters are views)
+    with torch.enable_grad():
+        for xb, yb in minibatches(x, y, plan):
+            flat_grad.zero_()
+            loss = model.loss_from_output(lean.module(xb), yb)
+            backward(loss)
             if correction is not None:
-                extra = correction(lean.views)
-                if extra is not None:
-                    for k, g in grads.items():
-                        g.add_(extra[k])
+                with torch.no_grad():
+                    extra = correction(lean.views)
+                    if extra is not None:
+                        for k, g in grads.items():
+                            g.add_(extra[k])
             if flat_velocity is not None:
                 flat_velocity.mul_(momentum).add_(flat_grad)
                 flat.sub_(flat_velocity, alpha=lr)
             else:
                 flat.sub_(flat_grad, alpha=lr)
-        total += float(loss.detach())
+            total += loss.item()
     solved_params = lean.params()
     return LocalSolution(
         solved_params,

@@ -3,6 +3,7 @@ metrics, checkpoints. Algorithms never re-implement any of it (DESIGN.md 2.2).""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -298,7 +299,8 @@ class Engine:
             self.executor.prepare(clients)
             self._open_trackers = self._trackers()
             try:
-                return self._run(resume)
+                with setup_frozen():
+                    return self._run(resume)
             finally:
                 self.executor.close()
                 for tracker in self._open_trackers:  # a run that failed: close them as such
@@ -490,6 +492,20 @@ class Engine:
                 str(c): a for c, a in zip(self.train_ids, accuracy, strict=True)
             }
         return summary
+
+
+@contextmanager
+def setup_frozen() -> Iterator[None]:
+    """Exempt everything built so far (data, models, arenas) from the cyclic garbage
+    collector for the block: its full collections otherwise scan all of it, 160 ms for W3's
+    1,000 clients (300k objects), in about one round of three (a round takes 145 ms).
+    ``gc.freeze`` moves the tracked objects to a permanent generation in O(1); ``unfreeze``
+    hands them back, so garbage made before the run is collected after it."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextmanager

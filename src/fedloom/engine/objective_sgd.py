@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.lean import LeanModule
-from fedloom.engine.local import LocalSolution
+from fedloom.engine.lean import LeanModule, backward
+from fedloom.engine.local import LocalSolution, minibatches
 from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 
@@ -105,16 +105,15 @@ def objective_sgd(
     hooked = head_input(lean.module.get_submodule(head)) if head else contextlib.nullcontext({})
     total = 0.0
     with hooked as store:
-        for step, idx in enumerate(plan):
+        for step, (xb, yb) in enumerate(minibatches(x, y, plan)):
             flat_grad.zero_()
-            xb, yb = x[idx], y[idx]
             with torch.enable_grad():
                 out = lean.module(xb)
                 if objective is None:
                     loss = model.loss_from_output(out, yb)
                 else:
                     loss = objective(Batch(step, xb, yb, out, store.get("h"), lean))
-                loss.backward()
+                backward(loss)
             with torch.no_grad():
                 for k in frozen:
                     grads[k].zero_()
