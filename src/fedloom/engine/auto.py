@@ -35,6 +35,8 @@ PROBE_MAX_REPEATS = 5
 PROBE_SECONDS = 0.3
 """Each candidate's short and long probes are repeated (the fastest kept) until about this
 much time was spent on them, at most PROBE_MAX_REPEATS times."""
+PROBE_VECTOR_SECONDS = 2.0
+"""The vectorized candidate probes as many clients as fit about this long a pass."""
 
 
 class AutoExecutor:
@@ -113,43 +115,58 @@ class AutoExecutor:
     ) -> str:
         """Estimated seconds per client of each candidate on this round's clients.
 
-        Each candidate runs the first PROBE_CLIENTS clients with plans cut to 1 and to
-        PROBE_STEPS steps; the line through the two timings, a + b * steps, separates what a
-        client costs once (worker processes ship a CNN's 6.6 MB result back per client,
-        vmap stacks a chunk) from what each step costs, and is evaluated at the round's mean
-        number of steps. Timing only short plans per step would favour the candidates with
-        large per-client costs wrong (FedAvg CNN, 19 steps: processes looked 10% slower than
-        one 2-thread process, and were 10% faster)."""
-        head = list(zip(tasks[:PROBE_CLIENTS], states[:PROBE_CLIENTS], strict=True))
-        plans = [algorithm.client_plan(t) for t, _ in head]
-        steps = sum(len(algorithm.client_plan(t)) for t in tasks) / len(tasks)
+        Each candidate runs the first clients with plans cut to 1 and to PROBE_STEPS steps;
+        the line through the two timings, a + b * steps, separates what a client costs once
+        (worker processes ship a CNN's 6.6 MB result back per client, vmap stacks a chunk)
+        from what each step costs, and is evaluated at the round's mean number of steps.
+        Timing short plans per step alone misjudged candidates with large per-client costs
+        (FedAvg CNN, 19 steps: processes looked 10% slower than one 2-thread process and were
+        10% faster). One-at-a-time candidates run PROBE_CLIENTS clients; the vectorized one
+        runs as many as its chunk will hold (up to PROBE_VECTOR_SECONDS of probing), since a
+        chunk of 8 says little about a chunk of 1,000 (W3: 8 clients made the sequential
+        executor look faster; with the round's 1,000 in one chunk it is 5x slower)."""
+        plans = [algorithm.client_plan(t) for t in tasks]
+        steps = sum(len(p) for p in plans) / len(plans)
 
-        def cut(k: int) -> list[ClientTask]:
-            return [replace(t, plan=p[:k]) for (t, _), p in zip(head, plans, strict=True)]
+        def probe(n: int) -> tuple[list[ClientTask], list[ClientTask]]:
+            """The first n clients with plans cut to 1 and to PROBE_STEPS steps."""
+            head = list(zip(tasks[:n], plans, strict=False))
+            return (
+                [replace(t, plan=p[:1]) for t, p in head],
+                [replace(t, plan=p[:PROBE_STEPS]) for t, p in head],
+            )
 
-        short, long = cut(1), cut(PROBE_STEPS)
-        probe_states = [s for _, s in head]
-        k_long = sum(len(t.plan) for t in long) / len(long)
+        small = probe(PROBE_CLIENTS)
+        max_batch = max((b.shape[0] for p in plans for b in p), default=1)
         before = torch.get_num_threads()
         try:
             for kind, threads in self._candidates():
                 torch.set_num_threads(threads)
                 executor = self._executor(kind)
 
-                def timed(probe: list[ClientTask], executor: Any = executor) -> float:
+                def timed(work: list[ClientTask], executor: Any = executor) -> float:
                     start = time.perf_counter()
                     # results are discarded: executors never write client states themselves
-                    executor.run_round(algorithm, message, probe, probe_states)
-                    return (time.perf_counter() - start) / len(probe)
+                    executor.run_round(algorithm, message, work, states[: len(work)])
+                    return (time.perf_counter() - start) / len(work)
 
-                timed(short)  # warm-up: first calls, worker start
+                first = timed(small[0])  # warm-up: first calls, worker start
+                short, long = small
+                if kind == "vectorized":
+                    n = min(len(tasks), executor.chunk_size(tasks, max_batch))
+                    affordable = PROBE_VECTOR_SECONDS / max(first * (1 + PROBE_STEPS), 1e-9)
+                    n = min(n, max(len(short), int(affordable)))
+                    if n > len(short):
+                        short, long = probe(n)
+                        timed(short)  # warm-up at the chunk's size
                 t_short, t_long = timed(short), timed(long)
                 spent, repeats = t_short + t_long, 1
-                while repeats < PROBE_MAX_REPEATS and spent * len(long) < PROBE_SECONDS:
+                while repeats < PROBE_MAX_REPEATS and spent * len(short) < PROBE_SECONDS:
                     # the fastest of a few: noise on a shared machine only adds time
                     a, b = timed(short), timed(long)
                     t_short, t_long = min(t_short, a), min(t_long, b)
                     spent, repeats = spent + a + b, repeats + 1
+                k_long = sum(len(t.plan) for t in long) / len(long)
                 per_step = max(0.0, (t_long - t_short) / max(k_long - 1, 1e-9))
                 once = max(0.0, t_short - per_step)
                 self.timings[f"{kind}/threads={threads}"] = once + per_step * steps
