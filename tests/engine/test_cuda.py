@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fedloom
+from fedloom.engine.vectorized import to_device
 from fedloom.errors import ConfigError
 from tests.engine.test_executor_equivalence import assert_same, config
 
@@ -13,7 +14,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA de
 
 
 @needs_gpu
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "local"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "scaffold", "local"])
 def test_vectorized_on_cuda_equals_sequential_on_cpu(algorithm):
     cpu = fedloom.run(
         config(algorithm, "mlp", {"kind": "sequential"}, 16), write=False, progress=False
@@ -32,3 +33,13 @@ def test_cuda_without_a_gpu_is_a_config_error():
         fedloom.run(
             config("fedavg", "mlp", {"kind": "vectorized", "device": "cuda"}, 16), write=False
         )
+
+
+def test_messages_and_states_follow_the_chunk_to_its_device():
+    """What the corrections read (the server message, stacked client states) moves with the
+    chunk: checked here with the meta device, which every machine has."""
+    message = {"params": {"w": torch.ones(2)}, "mu": 0.1, "pair": (torch.zeros(1), 3)}
+    moved = to_device(message, torch.device("meta"))
+    assert moved["params"]["w"].is_meta and moved["pair"][0].is_meta
+    assert moved["mu"] == 0.1 and moved["pair"][1] == 3 and isinstance(moved["pair"], tuple)
+    assert to_device(message, torch.device("cpu")) is message

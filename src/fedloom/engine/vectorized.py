@@ -193,10 +193,11 @@ class VectorizedExecutor:
         buffers = (
             {k: v.to(dev) for k, v in stack([b for _, b in starts]).items()} if starts[0][1] else {}
         )
-        stacked_state = stack_states(states) if algorithm.has_correction() else None
+        stacked_state = to_device(stack_states(states), dev) if algorithm.has_correction() else None
         momentum = algorithm.local_momentum()
         velocity = {k: torch.zeros_like(v) for k, v in params.items()} if momentum else {}
-        step = self._step_fn(algorithm, message, momentum)
+        # the corrections (FedProx's w - w_t, SCAFFOLD's c - c_k) read the message on the device
+        step = self._step_fn(algorithm, to_device(message, dev), momentum)
         num = len(tasks)
         lr = algorithm.local_lr(tasks[0])
         datas = [t.data for t in tasks]
@@ -378,6 +379,20 @@ class VectorizedExecutor:
             return params, losses * on
 
         return step
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in its nested dicts, lists and tuples on ``device`` (the
+    object itself where that changes nothing: on the CPU)."""
+    if device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
 
 
 def _index_state(state: Any, rows: slice | list[int]) -> Any:
