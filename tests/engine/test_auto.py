@@ -15,7 +15,7 @@ from fedloom.models import build_model
 CLIENTS = 40
 
 
-def engine(executor: dict) -> Engine:
+def engine(executor: dict, train: dict | None = None) -> Engine:
     g = torch.Generator().manual_seed(0)
     data = from_arrays(
         [(torch.rand(30, 6, generator=g), torch.randint(0, 3, (30,), generator=g))] * CLIENTS,
@@ -24,7 +24,7 @@ def engine(executor: dict) -> Engine:
     cfg = parse_config(
         {
             "model": {"name": "logreg"},
-            "train": {"rounds": 1, "batch_size": 5, "local_epochs": 1},
+            "train": train or {"rounds": 1, "batch_size": 5, "local_epochs": 1},
             "executor": executor,
         }
     )
@@ -87,17 +87,28 @@ def test_vectorized_probe_runs_a_whole_chunk_and_the_others_a_few_clients(monkey
     assert all(v > 0 for v in ex.timings.values())
 
 
-@pytest.mark.parametrize("once, per_step", [(1.0, 0.0), (0.0, 1.0), (0.5, 0.25)])
-def test_estimate_separates_per_client_and_per_step_cost(monkeypatch, once, per_step):
+@pytest.mark.parametrize(
+    "once, per_step, local_steps",
+    [(1.0, 0.0, None), (0.0, 1.0, None), (0.5, 0.25, None), (0.5, 0.25, 1)],
+)
+def test_estimate_separates_per_client_and_per_step_cost(monkeypatch, once, per_step, local_steps):
     """With a fake clock that charges ``once`` per client and ``per_step`` per step, every
-    candidate's estimate is once + per_step * (the round's mean number of steps)."""
-    e = engine({"kind": "auto", "workers": 1})
+    candidate's estimate is once + per_step * (the round's mean number of steps), also when
+    every plan is a single step (FedSGD: nothing to fit, the one-step timing is the answer)."""
+    train = {"rounds": 1, "batch_size": 5, "local_epochs": 1}
+    if local_steps:
+        train = {"rounds": 1, "batch_size": 5, "local_steps": local_steps}
+    e = engine({"kind": "auto", "workers": 1}, train)
     ex = e.executor
     clock = [0.0]
     monkeypatch.setattr(auto.time, "perf_counter", lambda: clock[0])
 
+    calls = [0]
+
     def fake(algorithm, message, tasks, states):
-        clock[0] += sum(once + per_step * len(t.plan) for t in tasks)
+        calls[0] += 1
+        jitter = 1e-7 * (calls[0] % 2)  # timings are never exactly equal
+        clock[0] += sum(once + per_step * len(t.plan) for t in tasks) + jitter
         return []
 
     for kind, _ in ex._candidates():
@@ -106,6 +117,6 @@ def test_estimate_separates_per_client_and_per_step_cost(monkeypatch, once, per_
         first_round(e)
     finally:
         ex.close()
-    steps = 30 // 5  # one epoch of 30 samples in batches of 5
+    steps = local_steps or 30 // 5  # one epoch of 30 samples in batches of 5
     for value in ex.timings.values():
         assert value == pytest.approx(once + per_step * steps)

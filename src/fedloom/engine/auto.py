@@ -124,7 +124,7 @@ class AutoExecutor:
         10% faster). One-at-a-time candidates run PROBE_CLIENTS clients; the vectorized one
         runs as many as its chunk will hold (up to PROBE_VECTOR_SECONDS of probing), since a
         chunk of 8 says little about a chunk of 1,000 (W3: 8 clients made the sequential
-        executor look faster; with the round's 1,000 in one chunk it is 5x slower)."""
+        executor look faster; with the round's 1,000 in one chunk it is 5-6x slower)."""
         plans = [algorithm.client_plan(t) for t in tasks]
         steps = sum(len(p) for p in plans) / len(plans)
 
@@ -167,8 +167,11 @@ class AutoExecutor:
                     t_short, t_long = min(t_short, a), min(t_long, b)
                     spent, repeats = spent + a + b, repeats + 1
                 k_long = sum(len(t.plan) for t in long) / len(long)
-                per_step = max(0.0, (t_long - t_short) / max(k_long - 1, 1e-9))
-                once = max(0.0, t_short - per_step)
+                if k_long > 1:
+                    per_step = max(0.0, (t_long - t_short) / (k_long - 1))
+                    once = max(0.0, t_short - per_step)
+                else:  # one-step plans (FedSGD): nothing to separate, the round is one step
+                    per_step, once = 0.0, min(t_short, t_long)
                 self.timings[f"{kind}/threads={threads}"] = once + per_step * steps
         finally:
             torch.set_num_threads(before)
