@@ -29,8 +29,12 @@ def train_client(
     batch_size: int,
     epochs: int,
     generator: torch.Generator | None = None,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, torch.Tensor], float]:
-    """Local SGD of one client on a deep copy of ``global_model``: (state_dict, mean loss)."""
+    """Local SGD of one client on a deep copy of ``global_model``: (state_dict, mean loss).
+
+    With ``device`` (a GPU), the model lives there and each minibatch is moved to it as it
+    comes out of the DataLoader, as the libraries do."""
     model = copy.deepcopy(global_model)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -40,6 +44,8 @@ def train_client(
     total, steps = 0.0, 0
     for _ in range(epochs):
         for xb, yb in loader:
+            if device is not None:
+                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
@@ -73,13 +79,14 @@ def fedavg_round(
     batch_size: int,
     epochs: int = 1,
     seed: int = 0,
+    device: torch.device | None = None,
 ) -> float:
     """One FedAvg round with every client participating; updates ``global_model`` in place
     and returns the sample-weighted mean training loss of the round."""
     generator = torch.Generator().manual_seed(seed)
     states, weights, losses = [], [], []
     for x, y in clients:
-        state, loss = train_client(global_model, x, y, lr, batch_size, epochs, generator)
+        state, loss = train_client(global_model, x, y, lr, batch_size, epochs, generator, device)
         states.append(state)
         weights.append(float(len(x)))
         losses.append(loss)

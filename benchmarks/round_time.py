@@ -1,8 +1,9 @@
 """Seconds per FedAvg round: fedloom's executors against a reference written the way common FL
 libraries write it (``reference.py``), all measured in one process and reported as ratios.
 
-Usage: ``python benchmarks/round_time.py [--workloads W1,W2,W3] [--repeats N] [--quick]``.
-The last line of stdout is one JSON object keyed by workload; see benchmarks/README.md.
+Usage: ``python benchmarks/round_time.py [--workloads W1,W2,W3] [--repeats N] [--quick]
+[--device cuda]``. The last line of stdout is one JSON object keyed by workload; see
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from torch import nn
 
 from fedloom.config import parse_config
 from fedloom.data.federated import FederatedData, from_arrays
-from fedloom.engine.loop import Engine
+from fedloom.engine.loop import Engine, setup_frozen
 from fedloom.models import build_model
 
 SEED = 0
 INPUT_SHAPE = (1, 28, 28)
 NUM_CLASSES = 10
+CPU = torch.device("cpu")
 THREAD_COUNTS = (1, 2)
 PRUNE_FACTOR = 3.0
 PRUNE_MIN_EXCESS_S = 5.0
@@ -75,6 +77,12 @@ TARGETS: dict[str, dict[str, float]] = {
 def log(msg: str) -> None:
     """Progress goes to stderr so that stdout ends with the JSON line."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; the CPU does not)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextmanager
@@ -143,20 +151,33 @@ class Contender:
 class ReferenceContender(Contender):
     """The reference round of ``reference.py`` at a fixed intra-op thread count."""
 
-    def __init__(self, data: BenchData, init: dict[str, torch.Tensor], n_threads: int) -> None:
+    def __init__(
+        self,
+        data: BenchData,
+        init: dict[str, torch.Tensor],
+        n_threads: int,
+        device: torch.device = CPU,
+    ) -> None:
         self.data = data
         self.threads = n_threads
+        self.device = device
         self.label = f"reference/threads={n_threads}"
         wl = data.workload
         self.model = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
         self.model.load_state_dict(init)
+        self.model.to(device)
         self.rounds = 0
 
     def _round(self, model: nn.Module, clients: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         wl = self.data.workload
+        device = None if self.device.type == "cpu" else self.device
         with threads(self.threads):
+            sync(self.device)
             start = time.perf_counter()
-            fedavg_round(model, clients, wl.lr, wl.batch_size, wl.epochs, SEED + self.rounds)
+            fedavg_round(
+                model, clients, wl.lr, wl.batch_size, wl.epochs, SEED + self.rounds, device
+            )
+            sync(self.device)
             return time.perf_counter() - start
 
     def warmup(self) -> float:
@@ -168,7 +189,7 @@ class ReferenceContender(Contender):
         return self._round(self.model, self.data.train)
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
 
 class EngineContender(Contender):
@@ -176,12 +197,19 @@ class EngineContender(Contender):
     client work, aggregation; no evaluation)."""
 
     def __init__(
-        self, data: BenchData, kind: str, n_threads: int | None, chunk_size: int | None = None
+        self,
+        data: BenchData,
+        kind: str,
+        n_threads: int | None,
+        chunk_size: int | None = None,
+        device: torch.device = CPU,
     ) -> None:
         wl = data.workload
         self.data = data
         self.kind = kind
         self.threads = n_threads
+        # the sequential executor runs on the CPU only: on a GPU machine it is the CPU baseline
+        self.device = CPU if kind == "sequential" else device
         self.label = f"{kind}/threads={n_threads or 'all'}"
         cfg = parse_config(
             {
@@ -196,7 +224,12 @@ class EngineContender(Contender):
                 },
                 "eval": {"every": 1},
                 "checkpoint": {"every": None},
-                "executor": {"kind": kind, "threads": n_threads, "chunk_size": chunk_size},
+                "executor": {
+                    "kind": kind,
+                    "threads": n_threads,
+                    "chunk_size": chunk_size,
+                    "device": self.device.type,
+                },
             }
         )
         module = build_model(wl.model, data.fed.input_shape, data.fed.num_outputs)
@@ -229,6 +262,7 @@ class EngineContender(Contender):
             server, states, st = self.engine._one_round(
                 self.rounds, self.st["server"], self.st["clients"], self.st
             )
+            sync(self.device)
             elapsed = time.perf_counter() - start
         self.st = {**st, "server": server, "clients": states}
         self.times.append(elapsed)
@@ -303,19 +337,22 @@ def round_flops(wl: Workload) -> float:
     return 6.0 * macs * wl.clients * wl.samples * wl.epochs
 
 
-def matmul_peak(size: int = 2048, repeats: int = 9) -> float:
-    """Float32 ``torch.mm`` FLOP/s of size x size matrices on all cores: the fastest of
-    ``repeats`` (a ceiling, so the best observation, not the median, estimates it)."""
+def matmul_peak(size: int = 2048, repeats: int = 9, device: torch.device = CPU) -> float:
+    """Float32 ``torch.mm`` FLOP/s of size x size matrices on all cores (or the GPU): the
+    fastest of ``repeats`` (a ceiling, so the best observation, not the median, estimates
+    it)."""
     gen = torch.Generator().manual_seed(SEED)
-    a = torch.randn(size, size, generator=gen)
-    b = torch.randn(size, size, generator=gen)
-    out = torch.empty(size, size)
+    a = torch.randn(size, size, generator=gen).to(device)
+    b = torch.randn(size, size, generator=gen).to(device)
+    out = torch.empty(size, size, device=device)
     times = []
     with threads(None):
         torch.mm(a, b, out=out)
         for _ in range(repeats):
+            sync(device)
             start = time.perf_counter()
             torch.mm(a, b, out=out)
+            sync(device)
             times.append(time.perf_counter() - start)
     return 2.0 * size**3 / min(times)
 
@@ -336,7 +373,11 @@ def best_of(results: dict[str, list[float]], prefix: str) -> tuple[str, float] |
 
 
 def measure_workload(
-    wl: Workload, peak: float, repeats: int | None = None, eval_too: bool = True
+    wl: Workload,
+    peak: float,
+    repeats: int | None = None,
+    eval_too: bool = True,
+    device: torch.device = CPU,
 ) -> dict[str, Any]:
     """Time every contender on ``wl`` (warm-up, then repeats interleaved across contenders so
     that background load hits all of them alike) and return the workload's JSON entry."""
@@ -345,12 +386,12 @@ def measure_workload(
     data = make_data(wl)
     contenders: list[Contender] = []
     for kind in ("sequential", "vectorized"):
-        contenders += [EngineContender(data, kind, t) for t in THREAD_COUNTS]
+        contenders += [EngineContender(data, kind, t, device=device) for t in THREAD_COUNTS]
     init = contenders[0].global_state()
-    contenders += [ReferenceContender(data, init, t) for t in THREAD_COUNTS]
+    contenders += [ReferenceContender(data, init, t, device) for t in THREAD_COUNTS]
     auto_error = None
     try:
-        contenders.append(EngineContender(data, "auto", None))
+        contenders.append(EngineContender(data, "auto", None, device=device))
     except Exception as err:  # no auto executor in this checkout: fall back, say so
         auto_error = f"{type(err).__name__}: {err}"
         log(f"[{wl.name}] executor.kind auto unavailable ({auto_error}); falling back")
@@ -365,12 +406,15 @@ def measure_workload(
     timed = [c for c in contenders if c.label not in pruned]
     times: dict[str, list[float]] = {c.label: [] for c in timed}
     after_first: dict[str, dict[str, torch.Tensor]] = {}
-    for r in range(repeats):
-        for c in timed:
-            times[c.label].append(c.round())
-            log(f"[{wl.name}] round {r + 1}/{repeats} {c.label}: {times[c.label][-1]:.3f} s")
-            if r == 0:
-                after_first[c.label] = c.global_state()
+    # as Engine.run does, for every contender alike: the set-up objects (data, models, about
+    # 300k for W3) are not rescanned by full garbage collections inside the timed rounds
+    with setup_frozen():
+        for r in range(repeats):
+            for c in timed:
+                times[c.label].append(c.round())
+                log(f"[{wl.name}] round {r + 1}/{repeats} {c.label}: {times[c.label][-1]:.3f} s")
+                if r == 0:
+                    after_first[c.label] = c.global_state()
     sanity = check_sanity(wl, init, after_first, data.probe)
     log(f"[{wl.name}] sanity: {sanity}")
     first_seq, first_vec = (next(c for c in timed if c.label.startswith(k)) for k in FAMILIES)
@@ -390,6 +434,7 @@ def measure_workload(
     flops = round_flops(wl)
     achieved = flops / best_s
     entry: dict[str, Any] = {
+        "device": device.type,
         "reference_s": ref[1],
         "sequential_s": seq[1],
         "vectorized_s": vec[1],
@@ -585,18 +630,19 @@ def run(
     eval_too: bool = True,
     peak_size: int = 2048,
     on_result: Callable[[str, dict[str, Any]], None] | None = None,
+    device: torch.device = CPU,
 ) -> dict[str, dict[str, Any]]:
     """Measure every workload and the matmul peak (before each workload and at the end, the
     highest counts: background load only lowers it); return {workload: entry}."""
     peaks: list[float] = []
     results: dict[str, dict[str, Any]] = {}
     for wl in workloads:
-        peaks.append(matmul_peak(peak_size))
-        log(f"float32 matmul peak ({peak_size}^2, all cores): {peaks[-1] / 1e9:.1f} GFLOP/s")
-        results[wl.name] = measure_workload(wl, peaks[-1], repeats, eval_too)
+        peaks.append(matmul_peak(peak_size, device=device))
+        log(f"float32 matmul peak ({peak_size}^2, {device}): {peaks[-1] / 1e9:.1f} GFLOP/s")
+        results[wl.name] = measure_workload(wl, peaks[-1], repeats, eval_too, device)
         if on_result:
             on_result(wl.name, results[wl.name])
-    peaks.append(matmul_peak(peak_size))
+    peaks.append(matmul_peak(peak_size, device=device))
     peak = max(peaks)
     log(f"float32 matmul peak, highest of {len(peaks)}: {peak / 1e9:.1f} GFLOP/s")
     for entry in results.values():
@@ -612,7 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--w2-repeats", type=int, default=None, help="timed W2 rounds (1)")
     parser.add_argument("--w2-clients", type=int, default=None, help="reduce W2 (default 100)")
     parser.add_argument("--quick", action="store_true", help="W2 with 10 clients, 2 repeats")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: the reference, vectorized and auto on the GPU (sequential stays on the CPU)",
+    )
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     chosen: list[Workload] = []
     for name in args.workloads.split(","):
         wl = WORKLOADS[name.strip().upper()]
@@ -626,8 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     for wl in chosen:
         if wl.note:
             print(f"NOTE {wl.name}: {wl.note}")
-    log(f"torch {torch.__version__}, {os.cpu_count()} cores")
-    results = run(chosen)
+    log(f"torch {torch.__version__}, {os.cpu_count()} cores, device {device}")
+    results = run(chosen, device=device)
     print(format_table(results))
     print(json.dumps(results))
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -23,16 +24,21 @@ def round_time() -> Any:
         sys.path.remove(str(BENCH_DIR))
 
 
-def test_tiny_workloads_report_positive_times(round_time: Any) -> None:
+def tiny_run(round_time: Any, device: str = "cpu") -> dict[str, Any]:
     from dataclasses import replace
 
     tiny = [
         replace(wl, clients=5, samples=20, test_samples=5, repeats=1, warmup_clients=2)
         for wl in round_time.WORKLOADS.values()
     ]
-    results = round_time.run(tiny, peak_size=256)
+    return round_time.run(tiny, peak_size=256, device=torch.device(device))
+
+
+def test_tiny_workloads_report_positive_times(round_time: Any) -> None:
+    results = tiny_run(round_time)
     assert set(results) == {"W1", "W2", "W3"}
     for entry in results.values():
+        assert entry["device"] == "cpu"
         for key in ("reference_s", "sequential_s", "vectorized_s", "best_s"):
             assert entry[key] > 0
         assert isinstance(entry["best_config"], str) and entry["best_config"]
@@ -52,3 +58,14 @@ def test_flops_of_the_2nn(round_time: Any) -> None:
     wl = round_time.WORKLOADS["W1"]
     macs = 784 * 200 + 200 * 200 + 200 * 10
     assert round_time.round_flops(wl) == 6.0 * macs * 100 * 600
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_tiny_workloads_on_the_gpu(round_time: Any) -> None:
+    """``--device cuda``: the reference, vectorized and auto rounds run on the GPU, the GPU's
+    vectorized round equals the CPU's sequential one, and the times are positive."""
+    results = tiny_run(round_time, "cuda")
+    for entry in results.values():
+        assert entry["device"] == "cuda"
+        assert entry["sequential_vs_vectorized_max_abs_diff"] < 1e-3
+        assert min(entry["reference_s"], entry["vectorized_s"], entry["best_s"]) > 0
