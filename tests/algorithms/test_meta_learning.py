@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 import fedloom
 from fedloom.algorithms import AlgorithmContext, ClientResult, ClientTask, build_algorithm
 from fedloom.algorithms.perfedavg import (
+    PerFedAvgConfig,
     finite_difference_hvp,
     hessian_vector_product,
     meta_gradient,
@@ -32,6 +34,8 @@ from fedloom.engine.pytree import Tree, weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
 from fedloom.models.base import FedModel
+from fedloom.solvers.ops import AUTOGRAD
+from fedloom.solvers.program import Batch
 from tests.algorithms import digits_setup
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 
@@ -84,6 +88,19 @@ def grad_of(model: FunctionalModel, params: Tree, data) -> Tree:
     return dict(zip(leaves, grads, strict=True))
 
 
+def as_batch(data) -> Batch:
+    x, y = data
+    return Batch(x, y, torch.ones(y.shape[0], dtype=x.dtype))
+
+
+def meta(model, params, inner, outer, hess, variant, alpha, steps=1) -> SimpleNamespace:
+    """meta_gradient on plain (x, y) minibatches, one client (reverse-mode autograd)."""
+    cfg = PerFedAvgConfig(name="perfedavg", alpha=alpha, variant=variant, inner_steps=steps)
+    batches = (as_batch(inner), as_batch(outer), *([as_batch(hess)] if hess else []))
+    grad, loss, meta_loss = meta_gradient(AUTOGRAD, model, params, {}, batches, cfg)
+    return SimpleNamespace(grad=grad, loss=float(loss), meta_loss=float(meta_loss))
+
+
 def maml_objective(model, params: Tree, inner, outer, steps: int = 1) -> float:
     """M(w) = f(u_K(w); D'), u_0 = w, u_{j+1} = u_j - alpha grad f(u_j; D)."""
     u = params
@@ -111,7 +128,7 @@ def hessian(model: FunctionalModel, params: Tree, data) -> torch.Tensor:
 def test_meta_gradient_equals_finite_differences_of_the_maml_objective(variant, steps):
     model, params = tiny_model()
     inner, outer = batch(1), batch(2)
-    step = meta_gradient(model, params, {}, inner, outer, inner, variant, ALPHA, steps)
+    step = meta(model, params, inner, outer, inner, variant, ALPHA, steps)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         d = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()}
@@ -125,8 +142,8 @@ def test_meta_gradient_equals_finite_differences_of_the_maml_objective(variant, 
 def test_first_order_differs_by_exactly_the_curvature_term():
     model, params = tiny_model()
     inner, outer = batch(1), batch(2)
-    fo = meta_gradient(model, params, {}, inner, outer, None, "fo", ALPHA)
-    so = meta_gradient(model, params, {}, inner, outer, None, "so", ALPHA)
+    fo = meta(model, params, inner, outer, None, "fo", ALPHA)
+    so = meta(model, params, inner, outer, None, "so", ALPHA)
     g = grad_of(model, params, inner)
     temp = {k: params[k] - ALPHA * g[k] for k in params}
     g_out = flat(grad_of(model, temp, outer))
@@ -144,10 +161,15 @@ def test_hessian_vector_products_exact_and_finite_difference():
     gen = torch.Generator().manual_seed(5)
     v = {k: torch.randn(p.shape, generator=gen, dtype=p.dtype) for k, p in params.items()}
     expected = hessian(model, params, data) @ flat(v)
-    exact = flat(hessian_vector_product(model, params, {}, data, v))
+    exact = flat(hessian_vector_product(AUTOGRAD, model, params, {}, as_batch(data), v))
     assert torch.allclose(exact, expected, rtol=0, atol=1e-12)
     errors = [
-        (flat(finite_difference_hvp(model, params, {}, data, v, delta)) - expected).abs().max()
+        (
+            flat(finite_difference_hvp(AUTOGRAD, model, params, {}, as_batch(data), v, delta))
+            - expected
+        )
+        .abs()
+        .max()
         for delta in (1e-4, 1e-5)
     ]
     # the paper's central difference is O(delta^2): measured 6.3e-8 and 6.3e-10
@@ -307,12 +329,6 @@ def test_reptile_server_step_with_uniform_weights():
     for k, theta in server["params"].items():
         expected = theta + 0.3 * ((phis[0][k] + phis[1][k]) / 2 - theta)
         assert torch.allclose(new["params"][k], expected, rtol=0, atol=1e-12), k
-
-
-def test_the_vectorized_executor_batches_reptile_and_runs_perfedavg_per_client():
-    ctx, _ = tiny_ctx()
-    assert build_algorithm({"name": "reptile"}, ctx).uses_shared_local_solver()
-    assert not build_algorithm({"name": "perfedavg"}, ctx).uses_shared_local_solver()
 
 
 # -- configuration --------------------------------------------------------------------------

@@ -36,24 +36,26 @@ Step size (``lr_schedule``): ``constant`` eta_t = train.lr (the paper's experime
 ``decay`` eta_t = 16 / (mu (t + a)), a = max(128 kappa, tau) (the pseudocode's; mu the
 strong-convexity constant, kappa = L / mu the condition number).
 
-``final_averaging``: the deployed models are the pseudocode's weighted averages over the
-rounds r = 1..R, p_r = (t_r + a)^2 with t_r = r tau the iteration count at the end of round r
-(a = max(128 kappa, tau), or tau when kappa is not given)::
+``final_averaging``: the deployed models are the pseudocode's weighted averages over every
+iteration t = 1..T, p_t = (t + a)^2 (a = max(128 kappa, tau), or tau when kappa is not given)::
 
-    global:       theta_hat = sum_r p_r theta^r / sum_r p_r               (server state)
+    global:       theta_hat = sum_t p_t theta_bar^(t) / S_T,  theta_bar^(t) = the mean over S of
+                  the clients' iterates theta_k^(t)                          (server state)
     personalized: alpha_k omega_hat_k + (1 - alpha_k) theta_hat,
-                  omega_hat_k = sum_r p_r omega_k^r / sum_r p_r             (client state)
+                  omega_hat_k = sum_t p_t omega_k^(t) / S_T                  (client state)
 
-omega_k^r is the client's local model after round r (unchanged in rounds it sat out; theta^r
-likewise in a round where nobody reported), tau is the client's own (the server uses the
-largest tau of the round's reports), and the running averages live in the states, so a
-resumed run continues them. With a fixed alpha_k this is the pseudocode's final personalized
-model exactly; with ``adaptive_alpha`` it mixes with the final alpha_k (the pseudocode leaves
-which alpha_k open). Only floating-point tensors are averaged; integer buffers (BatchNorm's
-counter) are the latest.
+Each client folds its iterates into p_t-weighted running averages at every local step; it
+uploads the average of its theta_k iterates of the round (``iterate_params``, with its buffers)
+and their total weight, which the server averages over S with the aggregation weights and folds
+into theta_hat. Iterations where a client sat out keep its last omega_k, and rounds without any
+report keep the server's theta, each with the p_t of those iterations (tau: the client's own;
+the server uses the largest tau of the latest reports). With a fixed alpha_k this is the
+pseudocode's final personalized model exactly (equal tau, uniform weights); with
+``adaptive_alpha`` it mixes with the final alpha_k (the pseudocode leaves which alpha_k open).
+Only floating-point tensors are averaged; integer buffers (BatchNorm's counter) are the latest.
 
-The client's two models need their own local loop (two gradients per step), so APFL overrides
-``client_update``: every executor runs it one client at a time (same numbers). Buffers
+The client's two models take two gradients per local step: :class:`APFLProgram` states the
+step once for both backends (the vmap backend runs whole chunks of clients). Buffers
 (BatchNorm statistics): theta_k's forward passes update the uploaded ones, omega_bar's update
 omega_k's own, which the personalized model deploys. The reported training loss is
 theta_k's (as FedAvg's). States: the server keeps theta and the
@@ -64,7 +66,7 @@ deploys the global model) and, with ``final_averaging``, its running average.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -80,6 +82,17 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.engine.pytree import Tree, clone
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    Update,
+)
+from fedloom.solvers.steps import descend, loss_grad
 
 F64 = torch.float64
 
@@ -119,7 +132,7 @@ class APFLConfig(AlgorithmConfig):
         return self
 
 
-def mix(alpha: float, omega: Tree, theta: Tree) -> Tree:
+def mix(alpha: float | torch.Tensor, omega: Tree, theta: Tree) -> Tree:
     """alpha omega + (1 - alpha) theta (alpha = 1 gives omega and 0 gives theta exactly)."""
     return {k: alpha * omega[k] + (1.0 - alpha) * theta[k] for k in omega}
 
@@ -138,11 +151,15 @@ class APFL(Algorithm):
     summary = "APFL: mixture alpha_k omega_k + (1 - alpha_k) theta, adaptive alpha (Deng et al.)"
     Config = APFLConfig
 
-    # -- schedule --------------------------------------------------------------------------
-    def offset(self, tau: float) -> float:
-        """a = max(128 kappa, tau) (tau when kappa is not given)."""
+    # -- schedule ---------------------------------------------------------------------------
+    def offset(self, tau: Any) -> Any:
+        """a = max(128 kappa, tau) (tau when kappa is not given); ``tau`` a number or tensor."""
         kappa = self.config.kappa
-        return max(128.0 * kappa, tau) if kappa is not None else tau
+        if kappa is None:
+            return tau
+        if isinstance(tau, torch.Tensor):
+            return tau.clamp_min(128.0 * kappa)
+        return max(128.0 * kappa, tau)
 
     def step_size(self, task: ClientTask, step: int, tau: int) -> float:
         """eta_t at local step ``step`` of round ``task.round`` (t = (r - 1) tau + step)."""
@@ -151,22 +168,29 @@ class APFL(Algorithm):
         t = (task.round - 1) * tau + step
         return 16.0 / (self.config.mu * (t + self.offset(tau)))
 
-    def average_weight(self, round: int, tau: float) -> float:
-        """p_r = (r tau + a)^2."""
-        return (round * tau + self.offset(tau)) ** 2
+    def iteration_weight(self, t: float, tau: float) -> float:
+        """p_t = (t + a)^2."""
+        return (t + self.offset(tau)) ** 2
 
-    def accumulate(
-        self, average: State, weight: float, model: State, rounds: range, tau: float
-    ) -> tuple[State, float]:
-        """Fold ``model`` ({params, buffers}: the model during ``rounds``) into the p_r-weighted
-        running average ``average`` of total weight ``weight``."""
-        added = sum(self.average_weight(r, tau) for r in rounds)
-        if added == 0.0:
-            return average, weight
-        fraction = added / (weight + added)
-        return {
-            part: running_average(average[part], model[part], fraction) for part in average
-        }, weight + added
+    def rounds_weight(self, rounds: range, tau: float) -> float:
+        """sum of p_t over the iterations t = (r - 1) tau + 1 .. r tau of ``rounds``."""
+        if len(rounds) == 0 or tau <= 0:
+            return 0.0
+        first, last = (rounds.start - 1) * tau + 1, (rounds.stop - 1) * tau
+        a, count = self.offset(tau), last - first + 1
+
+        def squares(n: float) -> float:  # sum_{t=1}^{n} t^2
+            return n * (n + 1) * (2 * n + 1) / 6
+
+        def naturals(n: float) -> float:
+            return n * (n + 1) / 2
+
+        return (
+            squares(last)
+            - squares(first - 1)
+            + 2 * a * (naturals(last) - naturals(first - 1))
+            + count * a * a
+        )
 
     # -- server ----------------------------------------------------------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
@@ -179,27 +203,39 @@ class APFL(Algorithm):
             server["average"] = {"params": clone(params), "buffers": clone(buffers)}
             server["average_weight"] = torch.zeros((), dtype=F64)
             server["last_round"] = torch.zeros((), dtype=torch.int64)
+            server["tau"] = torch.zeros((), dtype=F64)
         return server
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         new = self.aggregate_models(results)
         if not self.config.final_averaging:
             return {**new, "initial": server["initial"]}
-        round = int(results[0].info["round"])
-        tau = max(r.info["tau"] for r in results)
+        round = results[0].round
+        tau = max(float(r.upload["iterate_weight"]["tau"]) for r in results)
         old = {"params": server["params"], "buffers": server["buffers"]}
         weight = float(server["average_weight"])
-        # rounds without any report kept the old model, then this round's
-        average, weight = self.accumulate(
-            server["average"], weight, old, range(int(server["last_round"]) + 1, round), tau
-        )
-        average, weight = self.accumulate(average, weight, new, range(round, round + 1), tau)
+        # rounds without any report kept the old model
+        stale = self.rounds_weight(range(int(server["last_round"]) + 1, round), tau)
+        average, weight = combine(server["average"], weight, old, stale)
+        # this round: the mean over S of the clients' iterate averages (theta_bar^(t))
+        shares = [r.weight * float(r.upload["iterate_weight"]["weight"]) for r in results]
+        total = sum(r.weight for r in results)
+        if sum(shares) > 0:
+            uploads = [r.upload for r in results]
+            iterates = {
+                "params": self.ctx.aggregate([u["iterate_params"] for u in uploads], shares),
+                "buffers": self.ctx.aggregate([u["iterate_buffers"] for u in uploads], shares)
+                if uploads[0]["iterate_buffers"]
+                else {},
+            }
+            average, weight = combine(average, weight, iterates, sum(shares) / total)
         return {
             **new,
             "initial": server["initial"],
             "average": average,
             "average_weight": torch.tensor(weight, dtype=F64),
             "last_round": torch.tensor(round, dtype=torch.int64),
+            "tau": torch.tensor(tau, dtype=F64),
         }
 
     def global_model(self, server: State) -> tuple[Tree, Tree]:
@@ -224,85 +260,17 @@ class APFL(Algorithm):
             state["tau"] = torch.zeros((), dtype=F64)
         return state
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult:
-        assert state is not None
-        cfg, model, data = self.config, self.ctx.model, task.data
-        theta, theta_buffers = clone(message["params"]), clone(message["buffers"])
-        omega = clone(state["personal"]["params"])
-        omega_buffers = clone(state["personal"]["buffers"])
-        alpha = float(state["alpha"])
-        plan = self.client_plan(task)
-        tau = task.full if task.full is not None else len(plan)
-        loss_sum, personal_loss_sum = 0.0, 0.0
-        with model.random_stream(self.ctx.seed, task.round, task.client_id):
-            for step, idx in enumerate(plan):
-                x, y = data.x_train[idx], data.y_train[idx]
-                lr = self.step_size(task, step, tau)
-                grad_theta, loss = model.grad_and_loss(theta, theta_buffers, x, y)
-                grad_mixed, personal_loss = model.grad_and_loss(
-                    mix(alpha, omega, theta), omega_buffers, x, y
-                )
-                loss_sum += float(loss)
-                personal_loss_sum += float(personal_loss)
-                new_alpha = alpha
-                if cfg.adaptive_alpha:  # d/d alpha f_k(omega_bar) = <omega - theta, grad>
-                    slope = sum(
-                        float(torch.sum((omega[k] - theta[k]).to(F64) * grad_mixed[k].to(F64)))
-                        for k in omega
-                    )
-                    new_alpha = min(1.0, max(0.0, alpha - (cfg.alpha_lr or lr) * slope))
-                with torch.no_grad():  # own copies: updated in place
-                    for k in theta:
-                        theta[k].sub_(grad_theta[k], alpha=lr)
-                        omega[k].sub_(grad_mixed[k], alpha=lr)
-                alpha = new_alpha
-        personal = {"params": omega, "buffers": omega_buffers}
-        new_state: State = {
-            "personal": personal,
-            "alpha": torch.tensor(alpha, dtype=F64),
-            "steps": state["steps"] + len(plan),
-        }
-        if cfg.final_averaging:
-            # rounds the client sat out kept its old omega_k, then this round's
-            average, weight = self.accumulate(
-                state["average"],
-                float(state["average_weight"]),
-                state["personal"],
-                range(int(state["last_round"]) + 1, task.round),
-                tau,
-            )
-            average, weight = self.accumulate(
-                average, weight, personal, range(task.round, task.round + 1), tau
-            )
-            new_state |= {
-                "average": average,
-                "average_weight": torch.tensor(weight, dtype=F64),
-                "last_round": torch.tensor(task.round, dtype=torch.int64),
-                "tau": torch.tensor(float(tau), dtype=F64),
-            }
-        steps = max(1, len(plan))
-        info = {
-            "round": float(task.round),
-            "tau": float(tau),
-            "alpha": alpha,
-            "personal_loss": personal_loss_sum / steps,
-        }
-        return ClientResult(
-            {"params": theta, "buffers": theta_buffers},
-            self.ctx.objective_weight(task.client_id, cfg.weighting),
-            loss_sum / steps,
-            state=new_state,
-            info=info,
-        )
+    def client_program(self) -> ClientProgram:
+        if self._program is None:
+            self._program = APFLProgram(self)
+        return self._program
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
         """(11): alpha_k omega_k + (1 - alpha_k) theta, with omega_k's buffers (both averaged
-        over the rounds with ``final_averaging``). A client that never trained (never sampled,
-        or a held-out new client) deploys the global model."""
+        over the iterations with ``final_averaging``). A client that never trained (never
+        sampled, or a held-out new client) deploys the global model."""
         if state is None or int(state["steps"]) == 0:
             return self.global_model(server)
         theta, _ = self.global_model(server)
@@ -310,5 +278,138 @@ class APFL(Algorithm):
         if self.config.final_averaging:  # up to this round, omega_k unchanged since it trained
             rounds = range(int(state["last_round"]) + 1, task.round + 1)
             weight, tau = float(state["average_weight"]), float(state["tau"])
-            personal, _ = self.accumulate(state["average"], weight, personal, rounds, tau)
-        return mix(float(state["alpha"]), personal["params"], theta), personal["buffers"]
+            stale = self.rounds_weight(rounds, tau)
+            personal, _ = combine(state["average"], weight, personal, stale)
+        return mix(state["alpha"], personal["params"], theta), personal["buffers"]
+
+
+def combine(average: State, weight: float, model: State, added: float) -> tuple[State, float]:
+    """The running average ``average`` (total weight ``weight``) with ``model`` ({params,
+    buffers}) folded in at weight ``added``."""
+    if added <= 0.0:
+        return average, weight
+    fraction = added / (weight + added)
+    return {
+        part: running_average(average[part], model[part], fraction) for part in average
+    }, weight + added
+
+
+class APFLProgram(ClientProgram):
+    """APFL's local step (the module doc): theta_k's and omega_k's updates from one minibatch,
+    alpha_k's optional step, and with ``final_averaging`` the p_t-weighted iterate averages."""
+
+    def __init__(self, algorithm: APFL) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.config = algorithm.config
+        self.updates = (Update("apfl", (BATCHES,), self.step),)
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        return {BATCHES: Plan(self.algorithm.client_plan(task))}
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        assert state is not None
+        plan_length = len(self.algorithm.client_plan(task))
+        tau = float(task.full if task.full is not None else plan_length)
+        carry: Carry = {
+            "theta": message["params"],
+            "theta_buffers": clone(message["buffers"]),
+            "omega": state["personal"]["params"],
+            "omega_buffers": clone(state["personal"]["buffers"]),
+            "alpha": state["alpha"],
+            "tau": torch.tensor(tau, dtype=F64),
+            "t": torch.tensor((task.round - 1) * tau, dtype=F64),
+        }
+        if self.config.final_averaging:
+            carry["iterates"] = {"params": message["params"], "buffers": message["buffers"]}
+            carry["personal_average"] = state["personal"]
+            carry["average_weight"] = torch.zeros((), dtype=F64)
+        return carry
+
+    def shared(self, message: Message, task: ClientTask) -> dict:
+        return {"lr": task.lr}
+
+    def step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        (batch,) = batches
+        cfg, model = self.config, self.model
+        theta, omega, alpha = carry["theta"], carry["omega"], carry["alpha"]
+        t, tau = carry["t"], carry["tau"]
+        a = self.algorithm.offset(tau)
+        lr = shared["lr"] if cfg.lr_schedule == "constant" else 16.0 / (cfg.mu * (t + a))
+        grad_theta, loss = loss_grad(ops, model, theta, carry["theta_buffers"], batch)
+        grad_mixed, personal_loss = loss_grad(
+            ops, model, mix(alpha, omega, theta), carry["omega_buffers"], batch
+        )
+        new = dict(carry)
+        if cfg.adaptive_alpha:  # d/d alpha f_k(omega_bar) = <omega - theta, grad>
+            slope = sum(
+                ((omega[k] - theta[k]).to(F64) * grad_mixed[k].to(F64)).sum() for k in omega
+            )
+            new["alpha"] = (alpha - (cfg.alpha_lr or lr) * slope).clamp(0.0, 1.0)
+        new["theta"] = descend(theta, grad_theta, lr)
+        new["omega"] = descend(omega, grad_mixed, lr)
+        new["t"] = t + 1.0
+        if cfg.final_averaging:  # fold iterate t + 1 in at p_{t+1} = (t + 1 + a)^2
+            p = (t + 1.0 + a) ** 2
+            fraction = p / (carry["average_weight"] + p)
+            new["average_weight"] = carry["average_weight"] + p
+            new["iterates"] = {
+                "params": running_average(carry["iterates"]["params"], new["theta"], fraction),
+                "buffers": running_average(
+                    carry["iterates"]["buffers"], carry["theta_buffers"], fraction
+                ),
+            }
+            new["personal_average"] = {
+                "params": running_average(
+                    carry["personal_average"]["params"], new["omega"], fraction
+                ),
+                "buffers": running_average(
+                    carry["personal_average"]["buffers"], carry["omega_buffers"], fraction
+                ),
+            }
+        return new, {"loss": loss, "personal_loss": personal_loss, "alpha": new["alpha"]}
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
+    ) -> ClientResult:
+        assert state is not None
+        algorithm, carry = self.algorithm, run.carry
+        steps = run.steps.get("apfl", 0)
+        personal = {"params": carry["omega"], "buffers": carry["omega_buffers"]}
+        new_state: State = {
+            "personal": personal,
+            "alpha": carry["alpha"].clone(),
+            "steps": state["steps"] + steps,
+        }
+        upload: Message = {"params": carry["theta"], "buffers": carry["theta_buffers"]}
+        if self.config.final_averaging:
+            tau = float(carry["tau"])
+            # iterations the client sat out kept its old omega_k, then this round's iterates
+            stale = algorithm.rounds_weight(range(int(state["last_round"]) + 1, task.round), tau)
+            average, weight = combine(
+                state["average"], float(state["average_weight"]), state["personal"], stale
+            )
+            round_weight = float(carry["average_weight"])
+            average, weight = combine(average, weight, carry["personal_average"], round_weight)
+            new_state |= {
+                "average": average,
+                "average_weight": torch.tensor(weight, dtype=F64),
+                "last_round": torch.tensor(task.round, dtype=torch.int64),
+                "tau": carry["tau"].clone(),
+            }
+            upload |= {
+                "iterate_params": carry["iterates"]["params"],
+                "iterate_buffers": carry["iterates"]["buffers"],
+                "iterate_weight": {
+                    "weight": carry["average_weight"].clone(),
+                    "tau": carry["tau"].clone(),
+                },
+            }
+        info = {
+            "alpha": float(carry["alpha"]),
+            "personal_loss": run.metric("apfl", "personal_loss"),
+        }
+        weight_k = algorithm.ctx.objective_weight(task.client_id, self.config.weighting)
+        return ClientResult(upload, weight_k, run.metric("apfl"), state=new_state, info=info)

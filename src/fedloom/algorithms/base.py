@@ -19,8 +19,19 @@ from fedloom.data.federated import ClientData
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.local import LocalSolution, PlanMaker, local_sgd
 from fedloom.engine.objective_sgd import BatchObjective, objective_sgd
-from fedloom.engine.pytree import Tree, num_bytes
+from fedloom.engine.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    Update,
+)
+from fedloom.solvers.sequential import run_client
 
 State = dict[str, Any]
 """A server's or client's persistent state: a (nested) dict of tensors and trees."""
@@ -63,12 +74,24 @@ class ClientTask:
 
 @dataclass
 class ClientResult:
+    """One client's answer for one round: what it uploads (counted as communication), its
+    aggregation weight, its new persistent state and metrics that never travel."""
+
     upload: Message
     weight: float
     """Aggregation weight proposed by the client (its number of training samples)."""
     loss: float
     state: State | None = None
     info: dict[str, float] = field(default_factory=dict)
+    """Metrics of the round (averaged over clients into metrics.jsonl); not uploaded."""
+    client_id: int = -1
+    round: int = -1
+    """Who produced the result, and when: set by the backend that ran the client."""
+
+    def stamped(self, task: ClientTask) -> ClientResult:
+        """This result marked as client ``task.client_id``'s of round ``task.round``."""
+        self.client_id, self.round = task.client_id, task.round
+        return self
 
 
 @dataclass
@@ -115,6 +138,10 @@ class Algorithm:
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         self.config = config
         self.ctx = ctx
+        self._program: ClientProgram | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_program": None}  # programs hold vmapped closures
 
     # -- server ---------------------------------------------------------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
@@ -172,12 +199,6 @@ class Algorithm:
         be the same for every client of a round: the vectorized executor steps them together."""
         return task.lr
 
-    def uses_shared_local_solver(self) -> bool:
-        """True unless the algorithm overrides ``client_update`` with a solver of its own; the
-        vectorized executor batches only the shared solver and runs the others one client at
-        a time (same numbers, no speed-up)."""
-        return type(self).client_update is Algorithm.client_update
-
     def local_momentum(self) -> float:
         """Heavy-ball momentum of the local solver (0: plain SGD, the default)."""
         return 0.0
@@ -192,34 +213,20 @@ class Algorithm:
         upload = {"params": solved.params, "buffers": solved.buffers}
         return ClientResult(upload, task.data.num_train, solved.loss)
 
+    def client_program(self) -> ClientProgram:
+        """The client side as one program (solvers/program.py) that every executor runs:
+        by default local SGD from ``local_start`` on ``client_plan`` at ``local_lr``, with
+        ``local_correction`` and ``local_momentum``, closed by ``local_finish``. Algorithms with
+        other local work return their own program (pFedMe, Ditto, APFL, Per-FedAvg, ...)."""
+        if self._program is None:
+            self._program = SGDProgram(self)
+        return self._program
+
     def client_update(
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult:
-        """One client's round, sequentially: local_start -> local SGD -> local_finish.
-
-        The vectorized and Ray executors run the same three pieces for many clients at once.
-        """
-        params, buffers = self.local_start(message, state, task)
-        correction = None
-        if self.has_correction():
-
-            def correction(p: Tree) -> Tree:
-                return self.local_correction(p, message, state)  # type: ignore[return-value]
-
-        data = task.data
-        with self.ctx.model.random_stream(self.ctx.seed, task.round, task.client_id):
-            solved = local_sgd(
-                self.ctx.model,
-                params,
-                buffers,
-                data.x_train,
-                data.y_train,
-                self.client_plan(task),
-                self.local_lr(task),
-                correction,
-                self.local_momentum(),
-            )
-        return self.local_finish(message, state, task, solved)
+        """One client's round on the sequential backend (what the sequential executor runs)."""
+        return run_client(self.client_program(), message, state, task)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
@@ -328,3 +335,100 @@ class Algorithm:
             if results[0].upload["buffers"]
             else {},
         }
+
+
+class SGDProgram(ClientProgram):
+    """The FedAvg family's client program, from the algorithm's hooks::
+
+        w <- local_start;  v <- 0
+        for each minibatch B of client_plan:
+            g <- grad F_k(w; B) + local_correction(w)
+            v <- rho v + g  (rho = local_momentum; 0: v = g)
+            w <- w - local_lr v
+        local_finish(w)
+
+    The sequential backend runs it on the lean flat-buffer trainer (``run_lean``), the vmap
+    backend through ``step``."""
+
+    def __init__(self, algorithm: Algorithm) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.momentum = algorithm.local_momentum()
+        self.corrected = algorithm.has_correction()
+        self.updates = (Update("sgd", (BATCHES,), self.step),)
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        return {BATCHES: Plan(self.algorithm.client_plan(task))}
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        params, buffers = self.algorithm.local_start(message, state, task)
+        # own buffers: the forward pass updates BatchNorm statistics in place
+        carry: Carry = {"params": params, "buffers": clone(buffers)}
+        if self.momentum:
+            carry["velocity"] = {k: torch.zeros_like(v) for k, v in params.items()}
+        if self.corrected and state is not None:
+            carry["state"] = state
+        return carry
+
+    def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
+        return {"message": message, "lr": self.algorithm.local_lr(task)}
+
+    def step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        (batch,) = batches
+        params, buffers = carry["params"], carry["buffers"]
+        grads, loss = ops.value_and_grad(
+            self.model.weighted_loss, params, buffers, batch.x, batch.y, batch.w
+        )
+        if self.corrected:
+            extra = self.algorithm.local_correction(params, shared["message"], carry.get("state"))
+            if extra is not None:
+                grads = {k: g + extra[k] for k, g in grads.items()}
+        new = dict(carry)
+        if self.momentum:
+            grads = {k: self.momentum * carry["velocity"][k] + g for k, g in grads.items()}
+            new["velocity"] = grads
+        new["params"] = {k: p - shared["lr"] * grads[k] for k, p in params.items()}
+        return new, {"loss": loss}
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
+    ) -> ClientResult:
+        carry = run.carry
+        start, _ = self.algorithm.local_start(message, state, task)
+        solved = LocalSolution(
+            carry["params"],
+            carry["buffers"],
+            run.metric("sgd"),
+            start,
+            self.algorithm.local_lr(task),
+            run.steps.get("sgd", 0),
+            carry.get("velocity"),
+        )
+        return self.algorithm.local_finish(message, state, task, solved)
+
+    def run_lean(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult | None:
+        algorithm = self.algorithm
+        params, buffers = algorithm.local_start(message, state, task)
+        correction = None
+        if self.corrected:
+
+            def correction(p: Tree) -> Tree:
+                return algorithm.local_correction(p, message, state)  # type: ignore[return-value]
+
+        data = task.data
+        solved = local_sgd(
+            self.model,
+            params,
+            buffers,
+            data.x_train,
+            data.y_train,
+            algorithm.client_plan(task),
+            algorithm.local_lr(task),
+            correction,
+            self.momentum,
+        )
+        return algorithm.local_finish(message, state, task, solved)

@@ -36,18 +36,17 @@ personalize late; algorithms/schedule.py): round t uses mu_t in (9).
 As in the paper's Algorithm 1, which runs s local iterations for both problems, the personal
 problem gets as many steps as the global update completed (so a straggler doing partial work
 does as many fewer); ``personal_steps`` fixes the number instead (``personal_steps: 1`` is the
-seed's reading, one step of (9) per round). Steps (9) run the shared local solver with
-:func:`fedloom.engine.proximal.proximal_gradient` as the correction. They happen in
-``local_finish``, one client at a time: the vectorized executor batches the global update
-across clients as for the global algorithm alone, and runs the personal steps per client (same
-numbers on every executor). A global algorithm with its own ``client_update`` (APFL, pFedMe)
-runs it, then the personal steps follow.
+seed's reading, one step of (9) per round). :class:`DittoProgram` is the global algorithm's
+client program (whatever it is: FedAvg's SGD, SCAFFOLD's corrected SGD, APFL's two models)
+with update (9) beside it at each local step, so the vmap backend runs both for whole chunks of
+clients.
 
 Deployed (personalized) model: omega_k. Global model: theta.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -63,11 +62,21 @@ from fedloom.algorithms.base import (
     State,
 )
 from fedloom.algorithms.schedule import Schedule, schedule_field
-from fedloom.engine.local import LocalSolution, local_sgd
-from fedloom.engine.proximal import proximal_gradient
 from fedloom.engine.pytree import Tree, clone
 from fedloom.errors import unknown_name_message
-from fedloom.rng import seed_for
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    Update,
+    UpdateFn,
+)
+from fedloom.solvers.sequential import run_steps
+from fedloom.solvers.steps import prox_sgd_step
 
 NOT_GLOBAL = ("ditto",)
 """Registered algorithms that cannot be Ditto's global algorithm besides those without a
@@ -181,89 +190,17 @@ class Ditto(Algorithm):
     def _inner_state(state: State | None) -> State | None:
         return None if state is None else state.get("inner")
 
-    # -- the global update: the global algorithm's local solver hooks -----------------------
-    def client_plan(self, task: ClientTask) -> list:
-        return self.inner.client_plan(task)
+    def client_program(self) -> ClientProgram:
+        if self._program is None:
+            self._program = DittoProgram(self)
+        return self._program
 
-    def local_start(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> tuple[Tree, Tree]:
-        return self.inner.local_start(message, self._inner_state(state), task)
-
-    def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
-        return self.inner.local_correction(params, message, self._inner_state(state))
-
-    def has_correction(self) -> bool:
-        return self.inner.has_correction()
-
-    def local_lr(self, task: ClientTask) -> float:
-        return self.inner.local_lr(task)
-
-    def local_momentum(self) -> float:
-        return self.inner.local_momentum()
-
-    def uses_shared_local_solver(self) -> bool:
-        return self.inner.uses_shared_local_solver()
-
-    def local_finish(
-        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
-    ) -> ClientResult:
-        inner = self.inner.local_finish(message, self._inner_state(state), task, solved)
-        return self._with_personal_step(message, state, task, inner, solved.steps)
-
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult:
-        if self.inner.uses_shared_local_solver():
-            return super().client_update(message, state, task)  # -> local_finish above
-        inner = self.inner.client_update(message, self._inner_state(state), task)
-        steps = len(self.inner.client_plan(task))
-        return self._with_personal_step(message, state, task, inner, steps)
-
-    # -- the personal update (9) -----------------------------------------------------------
-    def _with_personal_step(
-        self,
-        message: Message,
-        state: State | None,
-        task: ClientTask,
-        inner: ClientResult,
-        global_steps: int,
-    ) -> ClientResult:
-        """The global algorithm's result, with omega_k moved by (9) in the client state."""
-        assert state is not None
-        personal, steps = self.personal_update(message, state["personal"], task, global_steps)
-        new_state: State = {"personal": personal, "steps": state["steps"] + steps}
-        inner_state = inner.state if inner.state is not None else self._inner_state(state)
-        if inner_state is not None:
-            new_state["inner"] = inner_state
-        return ClientResult(inner.upload, inner.weight, inner.loss, new_state, inner.info)
-
-    def personal_update(
-        self, message: Message, personal: State, task: ClientTask, global_steps: int
-    ) -> tuple[State, int]:
-        """Steps of (9): omega <- omega - eta_p (grad f_k(omega) + mu (omega - theta^t)), with
-        theta^t the broadcast model ``message['params']``."""
-        cfg, data = self.config, task.data
+    def personal_plan(self, task: ClientTask, global_steps: int) -> Plan:
+        """Minibatches of (9) from the stream (seed, round, k, 'ditto/personal')."""
+        cfg = self.config
         steps = cfg.personal_steps if cfg.personal_steps is not None else global_steps
-        plan = self.ctx.make_plan(data, steps, "ditto/personal", task.round, task.client_id)
-        anchor, mu = message["params"], cfg.mu_schedule.at(cfg.mu, task.round, self.ctx.rounds)
-
-        def prox(params: Tree) -> Tree | None:
-            return proximal_gradient(params, anchor, mu)
-
-        stream = seed_for(self.ctx.seed, "ditto/personal")  # dropout masks of (9)'s own
-        with self.ctx.model.random_stream(stream, task.round, task.client_id):
-            solved = local_sgd(
-                self.ctx.model,
-                personal["params"],
-                personal["buffers"],
-                data.x_train,
-                data.y_train,
-                plan,
-                cfg.personal_lr or task.lr,
-                prox,
-            )
-        return {"params": solved.params, "buffers": solved.buffers}, solved.steps
+        plan = self.ctx.make_plan(task.data, steps, "ditto/personal", task.round, task.client_id)
+        return Plan(plan)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
@@ -275,3 +212,112 @@ class Ditto(Algorithm):
             assert model is not None
             return model
         return state["personal"]["params"], state["personal"]["buffers"]
+
+
+PERSONAL = "ditto/personal"
+
+
+class DittoProgram(ClientProgram):
+    """The global algorithm's client program with the personal update (9) beside it: at each
+    local step, the global algorithm's updates (on its carry ``inner``), then one step of (9) on
+    omega_k (``personal``) while the client has personal minibatches left. (9) reads only
+    omega_k and the broadcast theta^t, so running it beside the global update rather than after
+    it changes nothing."""
+
+    def __init__(self, algorithm: Ditto) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.inner = algorithm.inner.client_program()
+        self.updates = (
+            *(Update(u.name, u.plans, self._lift(u.fn)) for u in self.inner.updates),
+            Update("personal", (PERSONAL,), self.personal_step),
+        )
+
+    @staticmethod
+    def _lift(fn: UpdateFn) -> UpdateFn:
+        def lifted(ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict) -> Any:
+            inner, metrics = fn(ops, carry["inner"], batches, shared["inner"])
+            return {**carry, "inner": inner}, metrics
+
+        return lifted
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        plans = self.inner.plans(message, Ditto._inner_state(state), task)
+        global_steps = len(plans[BATCHES].batches)
+        return {**plans, PERSONAL: self.algorithm.personal_plan(task, global_steps)}
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        assert state is not None
+        personal = state["personal"]
+        return {
+            "inner": self.inner.init(message, Ditto._inner_state(state), task),
+            "personal": {"params": personal["params"], "buffers": clone(personal["buffers"])},
+        }
+
+    def shared(self, message: Message, task: ClientTask) -> dict:
+        cfg = self.algorithm.config
+        return {
+            "inner": self.inner.shared(message, task),
+            "anchor": message["params"],
+            "mu": cfg.mu_schedule.at(cfg.mu, task.round, self.algorithm.ctx.rounds),
+            "lr": cfg.personal_lr or task.lr,
+        }
+
+    def personal_step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """(9): omega <- omega - eta_p (grad f_k(omega) + mu (omega - theta^t))."""
+        (batch,) = batches
+        personal = carry["personal"]
+        params, loss = prox_sgd_step(
+            ops,
+            self.model,
+            personal["params"],
+            personal["buffers"],
+            batch,
+            shared["lr"],
+            shared["anchor"],
+            shared["mu"],
+        )
+        return {**carry, "personal": {"params": params, "buffers": personal["buffers"]}}, {
+            "loss": loss
+        }
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
+    ) -> ClientResult:
+        inner_run = ClientRun(run.carry["inner"], run.metrics, run.steps)
+        inner = self.inner.finish(message, Ditto._inner_state(state), task, inner_run)
+        return self._result(state, inner, run.carry["personal"], run.steps.get("personal", 0))
+
+    def run_lean(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult | None:
+        """Where the global algorithm has a fused sequential trainer (the FedAvg family), its
+        round runs there (the global model bit for bit the global algorithm's alone), then the
+        steps of (9)."""
+        inner = self.inner.run_lean(message, Ditto._inner_state(state), task)
+        if inner is None:
+            return None
+        assert state is not None
+        global_steps = len(
+            self.inner.plans(message, Ditto._inner_state(state), task)[BATCHES].batches
+        )
+        plans = {PERSONAL: self.algorithm.personal_plan(task, global_steps)}
+        personal = state["personal"]
+        carry = {"personal": {"params": personal["params"], "buffers": clone(personal["buffers"])}}
+        only = SimpleNamespace(updates=self.updates[-1:])
+        run = run_steps(only, carry, plans, self.shared(message, task), task, 0)  # type: ignore[arg-type]
+        return self._result(state, inner, run.carry["personal"], run.steps["personal"])
+
+    @staticmethod
+    def _result(
+        state: State | None, inner: ClientResult, personal: State, personal_steps: int
+    ) -> ClientResult:
+        """The global algorithm's result, with omega_k moved by (9) in the client state."""
+        assert state is not None
+        new_state: State = {"personal": personal, "steps": state["steps"] + personal_steps}
+        kept = inner.state if inner.state is not None else Ditto._inner_state(state)
+        if kept is not None:
+            new_state["inner"] = kept
+        return ClientResult(inner.upload, inner.weight, inner.loss, new_state, inner.info)

@@ -23,11 +23,10 @@ the round's fresh body, then the body under the new head. One round (Algorithm 1
   default) or n_k / n (``samples``, what the authors' code does; equal on their equal-size
   shards).
 
-Both phases run on the shared minibatch solver :func:`fedloom.engine.objective_sgd.objective_sgd`
-with ``trainable`` set to the head, then the body (the frozen part stays bit for bit; buffers,
-e.g. BatchNorm statistics, evolve in training mode through both phases and the body's are
-uploaded with it). FedRep runs its own client update, so the vectorized executor runs its
-clients one at a time: same numbers, no speed-up.
+The two phases are two updates of one client program (:class:`FedRepProgram`), the body's
+starting where the client's head phase ends, so the vmap backend runs whole chunks of clients
+through both (the frozen part stays bit for bit; buffers, e.g. BatchNorm statistics, evolve in
+training mode through both phases and the body's are uploaded with it).
 
 Upload and download: the body only (the communication bytes count it alone). There is no global
 model. A client that never trained (a held-out new client, ``eval.new_clients``) gets the body
@@ -49,8 +48,19 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
-from fedloom.engine.objective_sgd import objective_sgd
+from fedloom.engine.pytree import clone
 from fedloom.engine.workload import steps_per_epoch
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    Update,
+)
+from fedloom.solvers.steps import descend, subset_loss_grad
 
 HEAD_EPOCHS = 10
 """tau_h when neither ``head_steps`` nor ``head_epochs`` is set: the paper's 10 local epochs."""
@@ -92,42 +102,76 @@ class FedRep(FedPer):
         epochs = HEAD_EPOCHS if cfg.head_epochs is None else cfg.head_epochs
         return epochs * steps_per_epoch(task.data.num_train, self.ctx.batch_size)
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
+    def client_program(self) -> ClientProgram:
+        if self._program is None:
+            self._program = FedRepProgram(self)
+        return self._program
+
+
+HEAD = "fedrep/head"
+
+
+class FedRepProgram(ClientProgram):
+    """Algorithm 1's two phases as two updates: ``head`` on the plan (seed, 'head', round, k)
+    from step 0, then ``body`` on the engine's plan from step tau_h (each client's own)."""
+
+    def __init__(self, algorithm: FedRep) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.head_keys = sorted(algorithm.split.local_params)
+        self.body_keys = sorted(algorithm.split.shared_params)
+        self.updates = (
+            Update("head", (HEAD,), self.head_step),
+            Update("body", (BATCHES,), self.body_step),
+        )
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        algorithm = self.algorithm
+        head = algorithm.ctx.make_plan(
+            task.data, algorithm.head_phase_steps(task), "head", task.round, task.client_id
+        )
+        return {HEAD: Plan(head), BATCHES: Plan(algorithm.client_plan(task), start=len(head))}
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        params, buffers = self.algorithm.local_start(message, state, task)  # [phi^t, h_k]
+        return {"params": params, "buffers": clone(buffers)}
+
+    def shared(self, message: Message, task: ClientTask) -> dict:
+        return {"lr": self.algorithm.local_lr(task)}
+
+    def _phase(
+        self, keys: list[str], ops: Ops, carry: Carry, batch: Batch, lr: float
+    ) -> tuple[Carry, dict]:
+        grads, loss = subset_loss_grad(
+            ops, self.model, carry["params"], keys, carry["buffers"], batch
+        )
+        return {**carry, "params": descend(carry["params"], grads, lr)}, {"loss": loss}
+
+    def head_step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """h <- h - lr grad_h F_k(h, phi; B), the body frozen."""
+        return self._phase(self.head_keys, ops, carry, batches[0], shared["lr"])
+
+    def body_step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """phi <- phi - lr grad_phi F_k(h, phi; B), the head frozen."""
+        return self._phase(self.body_keys, ops, carry, batches[0], shared["lr"])
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
     ) -> ClientResult:
         assert state is not None
-        model, data, lr = self.ctx.model, task.data, self.local_lr(task)
-        params, buffers = self.local_start(message, state, task)  # [phi^t, h_k]
-        head_plan = self.ctx.make_plan(
-            data, self.head_phase_steps(task), "head", task.round, task.client_id
-        )
-        with model.random_stream(self.ctx.seed, task.round, task.client_id):
-            head = objective_sgd(
-                model,
-                params,
-                buffers,
-                data.x_train,
-                data.y_train,
-                head_plan,
-                lr,
-                trainable=self.split.local_params,
-            )
-            body = objective_sgd(
-                model,
-                head.params,
-                head.buffers,
-                data.x_train,
-                data.y_train,
-                self.client_plan(task),
-                lr,
-                trainable=self.split.shared_params,
-            )
-        steps = head.steps + body.steps
-        loss = (head.loss * head.steps + body.loss * body.steps) / max(1, steps)
+        algorithm, carry = self.algorithm, run.carry
+        head_steps, body_steps = run.steps.get("head", 0), run.steps.get("body", 0)
+        steps = head_steps + body_steps
+        head_loss, body_loss = run.metric("head"), run.metric("body")
+        loss = (head_loss * head_steps + body_loss * body_steps) / max(1, steps)
         return ClientResult(
-            self.split.shared(body.params, body.buffers),
-            self.client_weight(task),
+            algorithm.split.shared(carry["params"], carry["buffers"]),
+            algorithm.client_weight(task),
             loss,
-            state=self.personal_state(state, body.params, body.buffers, steps),
-            info={"head_loss": head.loss, "body_loss": body.loss},
+            state=algorithm.personal_state(state, carry["params"], carry["buffers"], steps),
+            info={"head_loss": head_loss, "body_loss": body_loss},
         )

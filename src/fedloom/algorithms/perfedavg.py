@@ -39,13 +39,13 @@ evaluation start at w and fine-tune at alpha (``adaptation_lr``).
 
 Buffers (BatchNorm running statistics) are updated only by the forward pass at w on D, once per
 local step as in plain local SGD; the passes at temp and the curvature pass use throwaway
-copies. Per-FedAvg keeps no client state; it runs its own local loop, so the vectorized executor
-runs its clients one at a time (same numbers, no speed-up).
+copies. Per-FedAvg keeps no client state. Its local step is one client program
+(:class:`PerFedAvgProgram`) for both backends: torch.func's nested transforms under vmap give
+the hf and so variants' second derivatives for a whole chunk of clients at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -64,10 +64,19 @@ from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
 from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.pytree import Tree, clone
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    Update,
+)
+from fedloom.solvers.steps import descend, loss_grad
 
 Variant = Literal["fo", "hf", "so"]
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""Inputs and labels of one minibatch."""
 
 
 class PerFedAvgConfig(AlgorithmConfig):
@@ -106,100 +115,78 @@ class PerFedAvgConfig(AlgorithmConfig):
 
 
 # -- the meta-gradient ----------------------------------------------------------------------
-def _leaves(params: Tree) -> Tree:
-    return {k: v.detach().requires_grad_(True) for k, v in params.items()}
+def hessian_vector_product(
+    ops: Ops, model: FunctionalModel, params: Tree, buffers: Tree, batch: Batch, v: Tree
+) -> Tree:
+    """H(params; batch) v exactly: the gradient of <grad f(params; batch), v>."""
+
+    def directional(w: Tree) -> torch.Tensor:
+        g, _ = loss_grad(ops, model, w, buffers, batch)
+        return sum((g[k] * v[k]).sum() for k in w)
+
+    return ops.value_and_grad(directional, params)[0]
 
 
-def loss_and_grad(
+def finite_difference_hvp(
+    ops: Ops,
     model: FunctionalModel,
     params: Tree,
     buffers: Tree,
     batch: Batch,
-    create_graph: bool = False,
-) -> tuple[torch.Tensor, Tree]:
-    """f(params; batch) and its gradient with respect to ``params`` (which must require grad);
-    ``create_graph`` keeps the gradient differentiable."""
-    with torch.enable_grad():
-        loss = model.loss(params, buffers, *batch)
-        grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph)
-    return loss, dict(zip(params, grads, strict=True))
-
-
-def hessian_vector_product(
-    model: FunctionalModel, params: Tree, buffers: Tree, batch: Batch, v: Tree
-) -> Tree:
-    """H(params; batch) v exactly: the gradient of <grad f(params; batch), v>."""
-    w = _leaves(params)
-    with torch.enable_grad():
-        _, g = loss_and_grad(model, w, buffers, batch, create_graph=True)
-        dot = sum((g[k] * v[k]).sum() for k in w)
-        hv = torch.autograd.grad(dot, list(w.values()))
-    return dict(zip(w, hv, strict=True))
-
-
-def finite_difference_hvp(
-    model: FunctionalModel, params: Tree, buffers: Tree, batch: Batch, v: Tree, delta: float
+    v: Tree,
+    delta: float,
 ) -> Tree:
     """The paper's H v ~ (grad f(w + delta v) - grad f(w - delta v)) / (2 delta)."""
-    plus = {k: (params[k] + delta * v[k]).detach().requires_grad_(True) for k in params}
-    minus = {k: (params[k] - delta * v[k]).detach().requires_grad_(True) for k in params}
-    _, g_plus = loss_and_grad(model, plus, clone(buffers), batch)
-    _, g_minus = loss_and_grad(model, minus, clone(buffers), batch)
+    plus = {k: params[k] + delta * v[k] for k in params}
+    minus = {k: params[k] - delta * v[k] for k in params}
+    g_plus, _ = loss_grad(ops, model, plus, clone(buffers), batch)
+    g_minus, _ = loss_grad(ops, model, minus, clone(buffers), batch)
     return {k: (g_plus[k] - g_minus[k]) / (2.0 * delta) for k in params}
 
 
-@dataclass
-class MetaStep:
-    grad: Tree
-    """The variant's estimate of grad_w F(w - alpha grad F(w))."""
-    loss: float
-    """f(w; D): the loss at the iterate."""
-    meta_loss: float
-    """f(temp; D') (so: f(u_K; D')): the loss after adaptation."""
-
-
 def meta_gradient(
+    ops: Ops,
     model: FunctionalModel,
     params: Tree,
     buffers: Tree,
-    inner: Batch,
-    outer: Batch,
-    hess: Batch | None,
-    variant: Variant,
-    alpha: float,
-    inner_steps: int = 1,
-    hvp_delta: float | None = None,
-) -> MetaStep:
-    """One local step's meta-gradient at w = ``params`` (see the module doc): inner steps on
-    ``inner`` (D), meta-loss on ``outer`` (D'), curvature on ``hess`` (D'', hf only).
-    ``buffers`` are updated in place by the first forward pass at w on D (training mode)."""
-    w = _leaves(params)
-    if variant == "so":
-        with torch.enable_grad():
-            u, loss0 = w, None
-            for j in range(inner_steps):
-                loss, g = loss_and_grad(
-                    model, u, buffers if j == 0 else clone(buffers), inner, create_graph=True
-                )
-                loss0 = loss if loss0 is None else loss0
+    batches: tuple[Batch, ...],
+    cfg: PerFedAvgConfig,
+) -> tuple[Tree, torch.Tensor, torch.Tensor]:
+    """One local step's meta-gradient at w = ``params`` (see the module doc) from the batches
+    (D, D'[, D'']): inner steps on D, meta-loss on D', curvature on D'' (hf only). Returns
+    (gradient, f(w; D), f(temp; D')). ``buffers`` are updated in place by the forward pass at
+    w on D (training mode); the other passes use throwaway copies."""
+    inner, outer = batches[0], batches[1]
+    alpha = cfg.alpha
+    if cfg.variant == "so":
+        first: dict[str, torch.Tensor] = {}
+
+        def adapted_loss(w: Tree) -> torch.Tensor:
+            u = w
+            for j in range(cfg.inner_steps):
+                g, loss = loss_grad(ops, model, u, buffers if j == 0 else clone(buffers), inner)
+                if j == 0:
+                    first["loss"] = loss
                 u = {k: u[k] - alpha * g[k] for k in u}
-            meta = model.loss(u, clone(buffers), *outer)
-            grads = torch.autograd.grad(meta, list(w.values()))
-        assert loss0 is not None
-        return MetaStep(
-            dict(zip(w, grads, strict=True)), float(loss0.detach()), float(meta.detach())
-        )
-    loss, g = loss_and_grad(model, w, buffers, inner)
-    temp = {k: (w[k] - alpha * g[k]).detach().requires_grad_(True) for k in w}
-    meta, g_out = loss_and_grad(model, temp, clone(buffers), outer)
-    if variant == "hf":
-        assert hess is not None
-        if hvp_delta is None:
-            hv = hessian_vector_product(model, params, clone(buffers), hess, g_out)
+            return model.weighted_loss(u, clone(buffers), outer.x, outer.y, outer.w)
+
+        grads, meta = ops.value_and_grad(adapted_loss, params)
+        return grads, first["loss"].detach(), meta
+    g, loss = loss_grad(ops, model, params, buffers, inner)
+    temp = {k: params[k] - alpha * g[k] for k in params}
+    g_out, meta = loss_grad(ops, model, temp, clone(buffers), outer)
+    if cfg.variant == "hf":
+        hess = batches[2]
+        if cfg.hvp_delta is None:
+            hv = hessian_vector_product(ops, model, params, clone(buffers), hess, g_out)
         else:
-            hv = finite_difference_hvp(model, params, buffers, hess, g_out, hvp_delta)
+            hv = finite_difference_hvp(ops, model, params, buffers, hess, g_out, cfg.hvp_delta)
         g_out = {k: g_out[k] - alpha * hv[k] for k in g_out}
-    return MetaStep(g_out, float(loss.detach()), float(meta.detach()))
+    return g_out, loss, meta
+
+
+OUTER = "perfedavg/outer"
+HESSIAN = "perfedavg/hessian"
 
 
 # -- the algorithm --------------------------------------------------------------------------
@@ -212,44 +199,57 @@ class PerFedAvg(AdaptedDeployment, FedAvg):
         """A new client fine-tunes at alpha, the step the model was meta-learned for."""
         return self.config.alpha
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult:
-        cfg, model, data = self.config, self.ctx.model, task.data
-        beta = cfg.beta if cfg.beta is not None else self.ctx.lr
-        plan, steps = task.plan, len(task.plan)
-        outer = self.ctx.make_plan(data, steps, "perfedavg/outer", task.round, task.client_id)
-        hess = (
-            self.ctx.make_plan(data, steps, "perfedavg/hessian", task.round, task.client_id)
-            if cfg.variant == "hf"
-            else [None] * steps
+    def client_program(self) -> ClientProgram:
+        if self._program is None:
+            self._program = PerFedAvgProgram(self)
+        return self._program
+
+
+class PerFedAvgProgram(ClientProgram):
+    """Algorithm 1's local steps: w <- w - beta * meta_gradient(w; D, D', D'')."""
+
+    def __init__(self, algorithm: PerFedAvg) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.config: PerFedAvgConfig = algorithm.config
+        plans = (BATCHES, OUTER, HESSIAN) if self.config.variant == "hf" else (BATCHES, OUTER)
+        self.updates = (Update("meta", plans, self.step),)
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        """D from the engine's plan; D' and D'' as many from their own streams."""
+        steps = len(task.plan)
+        make = self.algorithm.ctx.make_plan
+        plans = {
+            BATCHES: Plan(task.plan),
+            OUTER: Plan(make(task.data, steps, OUTER, task.round, task.client_id)),
+        }
+        if self.config.variant == "hf":
+            plans[HESSIAN] = Plan(make(task.data, steps, HESSIAN, task.round, task.client_id))
+        return plans
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        return {"params": message["params"], "buffers": clone(message["buffers"])}
+
+    def shared(self, message: Message, task: ClientTask) -> dict:
+        beta = self.config.beta if self.config.beta is not None else self.algorithm.ctx.lr
+        return {"beta": beta}
+
+    def step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        grads, loss, meta = meta_gradient(
+            ops, self.model, carry["params"], carry["buffers"], batches, self.config
         )
-        x, y = data.x_train, data.y_train
-        w, buffers = clone(message["params"]), clone(message["buffers"])
-        total, total_meta = 0.0, 0.0
-        model.module.train()
-        with model.random_stream(self.ctx.seed, task.round, task.client_id):
-            for d, d_out, d_hess in zip(plan, outer, hess, strict=True):
-                step = meta_gradient(
-                    model,
-                    w,
-                    buffers,
-                    (x[d], y[d]),
-                    (x[d_out], y[d_out]),
-                    None if d_hess is None else (x[d_hess], y[d_hess]),
-                    cfg.variant,
-                    cfg.alpha,
-                    cfg.inner_steps,
-                    cfg.hvp_delta,
-                )
-                w = {k: (w[k] - beta * step.grad[k]).detach() for k in w}
-                total += step.loss
-                total_meta += step.meta_loss
-        weight = self.ctx.objective_weight(task.client_id, cfg.weighting)
-        n = max(1, steps)
+        params = descend(carry["params"], grads, shared["beta"])
+        return {"params": params, "buffers": carry["buffers"]}, {"loss": loss, "meta_loss": meta}
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
+    ) -> ClientResult:
+        weight = self.algorithm.ctx.objective_weight(task.client_id, self.config.weighting)
         return ClientResult(
-            {"params": w, "buffers": buffers},
+            {"params": run.carry["params"], "buffers": run.carry["buffers"]},
             weight,
-            total / n,
-            info={"meta_loss": total_meta / n},
+            run.metric("meta"),
+            info={"meta_loss": run.metric("meta", "meta_loss")},
         )

@@ -47,9 +47,18 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.schedule import Schedule, schedule_field
-from fedloom.engine.local import local_sgd
-from fedloom.engine.proximal import proximal_gradient
-from fedloom.engine.pytree import Tree, add, clone, sub
+from fedloom.engine.pytree import Tree, clone
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    Update,
+)
+from fedloom.solvers.steps import prox_sgd_step
 
 
 class PFedMeConfig(AlgorithmConfig):
@@ -73,39 +82,10 @@ class PFedMe(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"params": clone(server["params"]), "buffers": clone(server["buffers"])}
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult:
-        cfg, model, data = self.config, self.ctx.model, task.data
-        lam = cfg.lam_schedule.at(cfg.lam, task.round, self.ctx.rounds)
-        pull = task.lr * lam  # eta lam of (6)
-        omega: Tree = message["params"]
-        theta, buffers = message["params"], message["buffers"]
-        losses: list[float] = []
-        with model.random_stream(self.ctx.seed, task.round, task.client_id):
-            for batch in self.client_plan(task):
-
-                def prox_term(params: Tree, anchor: Tree = omega) -> Tree | None:
-                    return proximal_gradient(params, anchor, lam)
-
-                solved = local_sgd(
-                    model,
-                    theta,
-                    buffers,
-                    data.x_train,
-                    data.y_train,
-                    [batch] * cfg.inner_steps,
-                    cfg.inner_lr,
-                    prox_term,
-                )
-                theta, buffers = solved.params, solved.buffers
-                omega = add(omega, sub(omega, theta), alpha=-pull)
-                losses.append(solved.loss)
-        upload = {"params": clone(omega), "buffers": buffers}
-        weight = self.ctx.objective_weight(task.client_id, cfg.weighting)
-        loss = sum(losses) / len(losses) if losses else 0.0
-        new_state = {"params": theta, "buffers": buffers}
-        return ClientResult(upload, weight, loss, state=new_state)
+    def client_program(self) -> ClientProgram:
+        if self._program is None:
+            self._program = PFedMeProgram(self)
+        return self._program
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         p = [r.weight for r in results]
@@ -122,3 +102,54 @@ class PFedMe(Algorithm):
         if state is None:
             return server["params"], server["buffers"]
         return state["params"], state["buffers"]
+
+
+class PFedMeProgram(ClientProgram):
+    """pFedMe's local rounds: per minibatch, K prox steps on theta_k, then omega's step (6)."""
+
+    def __init__(self, algorithm: PFedMe) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.updates = (Update("local_round", (BATCHES,), self.local_round),)
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        return {BATCHES: Plan(self.algorithm.client_plan(task))}
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        """omega <- theta, theta_k <- theta (the broadcast model)."""
+        return {
+            "theta": message["params"],
+            "buffers": clone(message["buffers"]),  # updated in place by BatchNorm
+            "omega": message["params"],
+        }
+
+    def shared(self, message: Message, task: ClientTask) -> dict:
+        cfg = self.algorithm.config
+        lam = cfg.lam_schedule.at(cfg.lam, task.round, self.algorithm.ctx.rounds)
+        return {"lam": lam, "eta": task.lr, "inner_lr": cfg.inner_lr}
+
+    def local_round(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """(6): theta_k <- K gradient steps on l_k(.; b) + lam/2 ||. - omega||^2 (warm start),
+        then omega <- omega - eta lam (omega - theta_k)."""
+        (batch,) = batches
+        lam, omega = shared["lam"], carry["omega"]
+        theta, loss_sum = carry["theta"], 0.0
+        for _ in range(self.algorithm.config.inner_steps):
+            theta, loss = prox_sgd_step(
+                ops, self.model, theta, carry["buffers"], batch, shared["inner_lr"], omega, lam
+            )
+            loss_sum = loss_sum + loss
+        omega = {k: w - shared["eta"] * lam * (w - theta[k]) for k, w in omega.items()}
+        new = {"theta": theta, "buffers": carry["buffers"], "omega": omega}
+        return new, {"loss": loss_sum / self.algorithm.config.inner_steps}
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
+    ) -> ClientResult:
+        carry, cfg = run.carry, self.algorithm.config
+        upload = {"params": clone(carry["omega"]), "buffers": carry["buffers"]}
+        weight = self.algorithm.ctx.objective_weight(task.client_id, cfg.weighting)
+        new_state = {"params": carry["theta"], "buffers": carry["buffers"]}
+        return ClientResult(upload, weight, run.metric("local_round"), state=new_state)

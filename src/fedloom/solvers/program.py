@@ -1,0 +1,149 @@
+"""The client program: one statement of a client's local work that every backend runs.
+
+An algorithm states its client side once, as a :class:`ClientProgram` (FedJAX's
+``client_init`` / ``client_step`` / ``client_final``)::
+
+    carry  <- program.init(message, state, task)          # per client, in Python
+    for each local step s (the longest client's budget):
+        for each update u of program.updates, in order:
+            if client c has a minibatch of u's plans at step s:
+                carry_c, metrics <- u.fn(ops, carry_c, batches_c, shared)   # pure tensors
+    result <- program.finish(message, state, task, carry, metrics)   # per client, in Python
+
+``u.fn`` is a pure function of tensors: no Python branching on tensor values, no in-place
+writes to its inputs (except what the model's forward does to BatchNorm buffers), every
+gradient through ``ops``. The sequential backend (solvers/sequential.py) calls it on one
+client at a time with reverse-mode autograd; the vmap backend (solvers/vmap.py) calls it once
+per step for a whole chunk of clients under ``torch.func.vmap``, masking out the clients that
+have no minibatch at that step. Both follow the same trajectory up to float summation order.
+
+Each update consumes one minibatch of each of its named plans per step (the engine's plan
+``batches``, or the algorithm's own streams such as Per-FedAvg's ``perfedavg/outer``), and a
+client's plans may start at a later step (FedRep's body phase starts after its head phase):
+:class:`Plan` holds the minibatches and that start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from fedloom.algorithms.base import ClientResult, ClientTask, Message, State
+    from fedloom.engine.functional import FunctionalModel
+
+Carry = dict[str, Any]
+"""A client's working variables during its local steps: a nested dict of tensors."""
+
+BATCHES = "batches"
+"""Name of the engine's minibatch plan of the round (``ClientTask.plan``)."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One minibatch as an update sees it: inputs, targets and per-sample weights (1 for a real
+    sample, 0 for padding that the vmap backend adds to equalize batch sizes)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    w: torch.Tensor
+
+    def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """The mean of ``per_sample`` over the real samples (0 for an all-padding batch)."""
+        return (per_sample * self.w).sum() / self.w.sum().clamp_min(1.0)
+
+
+class Ops(Protocol):
+    """How an update takes gradients: the one thing that differs between backends."""
+
+    def value_and_grad(
+        self, f: Callable[..., torch.Tensor], params: dict[str, torch.Tensor], *args: Any
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(d f / d params, f) at ``params``; ``f(params, *args)`` returns a scalar. May be
+        nested inside ``f`` of an outer call (second-order methods)."""
+        ...
+
+
+UpdateFn = Callable[[Ops, Carry, tuple[Batch, ...], dict[str, Any]], tuple[Carry, dict]]
+"""(ops, carry, batches, shared) -> (new carry, metrics): one update of one client at one step.
+``metrics`` maps names to 0-d tensors (``loss`` at least); the backends average each over the
+steps the update ran."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One named update of a local step, consuming one minibatch of each plan in ``plans``."""
+
+    name: str
+    plans: tuple[str, ...]
+    fn: UpdateFn
+
+
+@dataclass
+class Plan:
+    """A client's minibatches (index tensors into its training data) for one named plan, and
+    the local step at which the first is used."""
+
+    batches: list[torch.Tensor]
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.batches)
+
+
+@dataclass
+class ClientRun:
+    """What a backend hands to ``finish``: the final carry and the mean of every metric of
+    every update over the steps it ran (``{update: {metric: mean}}``) and the step counts."""
+
+    carry: Carry
+    metrics: dict[str, dict[str, float]]
+    steps: dict[str, int] = field(default_factory=dict)
+
+    def metric(self, update: str, name: str = "loss") -> float:
+        return self.metrics.get(update, {}).get(name, 0.0)
+
+
+class ClientProgram:
+    """Base of client programs. Subclasses set ``updates`` and implement ``init``, ``plans``
+    and ``finish``; ``shared`` holds the round's values common to every client.
+
+    ``model`` is the functional model the updates differentiate, ``seed`` the run's seed (the
+    sequential backend draws each client's dropout masks from (seed, round, client))."""
+
+    updates: tuple[Update, ...] = ()
+
+    def __init__(self, model: FunctionalModel, seed: int) -> None:
+        self.model = model
+        self.seed = seed
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        """The named minibatch plans of client ``task.client_id`` this round."""
+        raise NotImplementedError
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        """The client's carry before its first step (fresh tensors the updates may replace)."""
+        raise NotImplementedError
+
+    def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
+        """Inputs every client of the round shares (broadcast model, step sizes, coefficients):
+        not stacked by the vmap backend. ``task`` is any client's of the round."""
+        return {}
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
+    ) -> ClientResult:
+        """The client's result (upload, weight, new state) from its final carry."""
+        raise NotImplementedError
+
+    def run_lean(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult | None:
+        """A fused one-client implementation of this same program for the sequential backend
+        (the plain SGD program runs on the lean flat-buffer trainer), or None: the backend
+        steps through ``updates``. Executor-equivalence tests hold the two to 1e-4."""
+        return None

@@ -1,0 +1,75 @@
+"""The sequential backend: a client program run for one client at a time, in this process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedloom.solvers.ops import AUTOGRAD
+from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan
+
+if TYPE_CHECKING:
+    from fedloom.algorithms.base import ClientResult, ClientTask, Message, State
+
+MetricSums = dict[str, dict[str, float]]
+
+
+def run_client(
+    program: ClientProgram, message: Message, state: State | None, task: ClientTask
+) -> ClientResult:
+    """One client's round: ``program.run_lean`` where the program has a fused trainer, else
+    init, every update of every step, finish."""
+    with program.model.random_stream(program.seed, task.round, task.client_id):
+        fused = program.run_lean(message, state, task)
+        if fused is not None:
+            return fused.stamped(task)
+        plans = program.plans(message, state, task)
+        carry = program.init(message, state, task)
+        run = run_steps(program, carry, plans, program.shared(message, task), task, 0)
+    return program.finish(message, state, task, run).stamped(task)
+
+
+def run_steps(
+    program: ClientProgram,
+    carry: Carry,
+    plans: dict[str, Plan],
+    shared: dict,
+    task: ClientTask,
+    first: int,
+    sums: MetricSums | None = None,
+    counts: dict[str, int] | None = None,
+) -> ClientRun:
+    """Steps ``first`` .. the end of the client's plans, from ``carry``; ``sums`` and ``counts``
+    continue the metric sums and step counts of steps already taken (the vmap backend hands
+    its last few clients over mid-round)."""
+    sums = sums if sums is not None else {u.name: {} for u in program.updates}
+    counts = counts if counts is not None else {u.name: 0 for u in program.updates}
+    end = max((p.end for p in plans.values()), default=0)
+    x, y = task.data.x_train, task.data.y_train
+    ones: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for s in range(first, end):
+            for update in program.updates:
+                lead = plans[update.plans[0]]
+                if not lead.start <= s < lead.end:
+                    continue
+                batches = []
+                for name in update.plans:
+                    plan = plans[name]
+                    idx = plan.batches[s - plan.start]
+                    n = idx.shape[0]
+                    if n not in ones:
+                        ones[n] = torch.ones(n)
+                    batches.append(Batch(x[idx], y[idx], ones[n]))
+                carry, metrics = update.fn(AUTOGRAD, carry, tuple(batches), shared)
+                acc = sums[update.name]
+                for key, value in metrics.items():
+                    acc[key] = acc.get(key, 0.0) + float(value)
+                counts[update.name] += 1
+    return ClientRun(carry, finish_metrics(sums, counts), counts)
+
+
+def finish_metrics(sums: MetricSums, counts: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Mean of each metric over the steps its update ran."""
+    return {u: {k: v / max(1, counts[u]) for k, v in m.items()} for u, m in sums.items()}

@@ -1,0 +1,67 @@
+"""Pieces client programs are made of: gradients of the model's loss on a minibatch and SGD
+steps on all or some of the parameters, with an optional proximal pull. Pure functions of
+tensors, so one definition serves both backends (solvers/ops.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from fedloom.engine.functional import FunctionalModel
+from fedloom.solvers.program import Batch, Ops
+
+Tree = dict[str, torch.Tensor]
+
+
+def loss_grad(
+    ops: Ops, model: FunctionalModel, params: Tree, buffers: Tree, batch: Batch
+) -> tuple[Tree, torch.Tensor]:
+    """Gradient of the model's mean loss on the batch's real samples, and the loss. In training
+    mode the forward pass updates ``buffers`` (BatchNorm statistics) in place."""
+    return ops.value_and_grad(model.weighted_loss, params, buffers, batch.x, batch.y, batch.w)
+
+
+def subset_loss_grad(
+    ops: Ops,
+    model: FunctionalModel,
+    params: Tree,
+    keys: Collection[str],
+    buffers: Tree,
+    batch: Batch,
+) -> tuple[Tree, torch.Tensor]:
+    """Gradient with respect to ``params[keys]`` only (the rest held fixed), and the loss."""
+    fixed = {k: v for k, v in params.items() if k not in keys}
+
+    def loss(trainable: Tree) -> torch.Tensor:
+        return model.weighted_loss({**fixed, **trainable}, buffers, batch.x, batch.y, batch.w)
+
+    return ops.value_and_grad(loss, {k: params[k] for k in keys})
+
+
+def descend(params: Tree, grads: Tree, lr: float | torch.Tensor) -> Tree:
+    """params - lr * grads on the keys of ``grads`` (the others unchanged)."""
+    return {k: p - lr * grads[k] if k in grads else p for k, p in params.items()}
+
+
+def pull(grads: Tree, params: Tree, anchor: Tree, mu: float) -> Tree:
+    """grads + mu (params - anchor): the gradient of the proximal term mu/2 ||w - anchor||^2
+    added (FedProx, Ditto (9), pFedMe (6)); ``grads`` itself when mu is 0."""
+    if mu == 0:
+        return grads
+    return {k: g + mu * (params[k] - anchor[k]) for k, g in grads.items()}
+
+
+def prox_sgd_step(
+    ops: Ops,
+    model: FunctionalModel,
+    params: Tree,
+    buffers: Tree,
+    batch: Batch,
+    lr: float,
+    anchor: Tree,
+    mu: float,
+) -> tuple[Tree, torch.Tensor]:
+    """One step w <- w - lr (grad f(w; batch) + mu (w - anchor)); returns (w, f(w; batch))."""
+    grads, loss = loss_grad(ops, model, params, buffers, batch)
+    return descend(params, pull(grads, params, anchor, mu), lr), loss

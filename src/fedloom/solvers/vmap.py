@@ -1,0 +1,339 @@
+"""The vmap backend: a client program run for a chunk of clients at once (torch.func.vmap).
+
+The chunk's carries are stacked along a leading client dimension and each update of a local
+step is one vmapped call over the clients that take it. Clients with smaller minibatches are
+padded with weight-0 samples; a client without a minibatch of an update's plan at step s keeps
+its carry (a masked select), so every client follows exactly the sequential backend's
+trajectory (up to float summation order). Models with normalization layers are grouped by exact
+batch size instead of padded, since padding would change batch statistics.
+
+Data movement stays out of the per-step loop: the executor concatenates every client's
+training data once into an :class:`Arena`; a chunk's plans become one (steps, clients, width)
+tensor of arena rows per named plan, and each step gathers its minibatches with
+``index_select`` into a buffer allocated once per chunk and plan slot.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fedloom.data.federated import ClientData
+from fedloom.solvers.ops import FUNC
+from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan, Update
+from fedloom.solvers.sequential import finish_metrics, run_steps
+
+if TYPE_CHECKING:
+    from fedloom.algorithms.base import ClientTask, Message, State
+
+SEQUENTIAL_TAIL = 4
+"""When at most this many clients of a chunk still have steps left, they finish one at a time
+on the sequential backend: a vmapped step over 1-4 clients costs more in dispatch than it saves
+(measured 10x slower per step for a 60-feature logistic regression)."""
+
+NO_BATCH = torch.empty(0, dtype=torch.long)
+"""The minibatch of a step before a plan's start (no sample: the client is masked out)."""
+
+
+def plan_steps(plans: dict[str, Plan]) -> int:
+    """Local steps a client's program takes: the end of its latest plan."""
+    return max((p.end for p in plans.values()), default=0)
+
+
+def stack(leaves: list[Any]) -> Any:
+    """One leaf of every client stacked along a new leading dimension (fresh memory). When all
+    clients hold the same tensor object (FedAvg's clients all start from the broadcast model)
+    the result is one broadcast copy: 2 ms instead of 7 ms for 1,000 W3 clients."""
+    first = leaves[0]
+    if all(leaf is first for leaf in leaves):
+        return first.unsqueeze(0).expand(len(leaves), *first.shape).clone()
+    return torch.stack(leaves)
+
+
+def stack_carries(carries: list[Carry], device: torch.device) -> tuple[list[torch.Tensor], Any]:
+    """The chunk's carries as stacked leaves (on ``device``) and their common structure."""
+    flat = [tree_flatten(c) for c in carries]
+    spec = flat[0][1]
+    leaves = [stack([f[0][i] for f in flat]).to(device) for i in range(len(flat[0][0]))]
+    return leaves, spec
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in its nested dicts, lists and tuples on ``device`` (the
+    object itself on the CPU)."""
+    if device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+class Arena:
+    """Every client's training samples concatenated once; a client is an offset into it."""
+
+    def __init__(self, clients: list[ClientData], device: torch.device | None = None) -> None:
+        self.offsets: dict[int, int] = {}
+        xs, ys, offset = [], [], 0
+        for data in clients:
+            if id(data) in self.offsets:
+                continue
+            self.offsets[id(data)] = offset
+            xs.append(data.x_train)
+            ys.append(data.y_train)
+            offset += data.num_train
+        self.x = (torch.cat(xs) if xs else torch.empty(0)).to(device or "cpu")
+        self.y = (torch.cat(ys) if ys else torch.empty(0)).to(device or "cpu")
+
+    def holds(self, clients: list[ClientData]) -> bool:
+        return all(id(d) in self.offsets for d in clients)
+
+    def batch_index(
+        self, clients: list[ClientData], plans: list[list[torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(steps, clients, width) arena rows and 0/1 sample weights for the chunk's plans
+        (padding rows point at row 0 with weight 0), and the (steps, clients) minibatch sizes
+        (0 where a client has no minibatch at step s)."""
+        steps = [len(p) for p in plans]
+        batches = [b for p in plans for b in p]
+        lens = [b.shape[0] for b in batches]
+        width = max(max(lens, default=1), 1)
+        index = torch.zeros(max(steps, default=0), len(plans), width, dtype=torch.long)
+        weight = torch.zeros(index.shape)
+        sizes = torch.zeros(index.shape[:2], dtype=torch.long)
+        if not lens:
+            return index, weight, sizes
+        # one entry per minibatch: its step s and its client c, built with tensor ops (Python
+        # lists of 6,000 minibatches, converted with torch.tensor, took 4 of 7 ms in W3)
+        steps_t = torch.tensor(steps)
+        client_of = torch.repeat_interleave(torch.arange(len(plans)), steps_t)
+        first = torch.cumsum(steps_t, 0) - steps_t
+        step_of = torch.arange(len(batches)) - torch.repeat_interleave(first, steps_t)
+        offsets = torch.tensor([self.offsets[id(d)] for d in clients])
+        lengths = torch.tensor(lens)
+        rows = torch.cat(batches)
+        sizes[step_of, client_of] = lengths
+        if min(lens) == width:  # every minibatch full: one row of the index each
+            index[step_of, client_of] = rows.view(-1, width) + offsets[client_of, None]
+            weight[step_of, client_of] = 1.0
+            return index, weight, sizes
+        starts = torch.cumsum(lengths, 0) - lengths
+        s_idx = torch.repeat_interleave(step_of, lengths)
+        c_idx = torch.repeat_interleave(client_of, lengths)
+        j_idx = torch.arange(len(rows)) - torch.repeat_interleave(starts, lengths)
+        index[s_idx, c_idx, j_idx] = rows + offsets[c_idx]
+        weight[s_idx, c_idx, j_idx] = 1.0
+        return index, weight, sizes
+
+
+Rows = slice | list[int]
+
+
+class ChunkRunner:
+    """Runs one chunk of clients through a program's local steps."""
+
+    def __init__(
+        self, program: ClientProgram, arena: Arena, device: torch.device, group_by_size: bool
+    ) -> None:
+        self.program = program
+        self.arena = arena
+        self.device = device
+        self.group_by_size = group_by_size
+        self._vmapped = {u.name: _vmapped(u) for u in program.updates}
+        self.num = 0
+
+    def run(
+        self,
+        message: Message,
+        tasks: list[ClientTask],
+        states: list[State | None],
+        plans: list[dict[str, Plan]],
+        shared: dict[str, Any],
+        shared_cpu: dict[str, Any],
+    ) -> list[ClientRun]:
+        program, dev = self.program, self.device
+        num = self.num = len(tasks)
+        ends = [plan_steps(p) for p in plans]
+        end = max(ends, default=0)
+        leaves, spec = stack_carries(
+            [program.init(message, s, t) for s, t in zip(states, tasks, strict=True)], dev
+        )
+        datas = [t.data for t in tasks]
+        index: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
+        for name in plans[0]:
+            padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
+            rows, weight, sizes = self.arena.batch_index(datas, padded)
+            index[name] = (rows.to(dev), weight.to(dev), sizes.tolist())
+        buffers = self._gather_buffers(index, num)
+        sums: dict[str, dict[str, torch.Tensor]] = {u.name: {} for u in program.updates}
+        counts = {u.name: torch.zeros(num, dtype=torch.long) for u in program.updates}
+        program.model.module.train()
+        runs: list[ClientRun | None] = [None] * num
+        for s in range(end):
+            alive = sum(1 for e in ends if e > s)  # a prefix: clients are sorted by steps
+            if 0 < alive <= SEQUENTIAL_TAIL < num:
+                self._finish_tail(
+                    leaves, spec, tasks, plans, shared_cpu, s, alive, sums, counts, runs
+                )
+                break
+            for update in program.updates:
+                sizes = index[update.plans[0]][2]
+                if s >= len(sizes):
+                    continue
+                on_rows = [c for c in range(num) if sizes[s][c] > 0]
+                if not on_rows:
+                    continue
+                for rows, width in self._groups(on_rows, sizes[s]):
+                    self._step(update, leaves, spec, index, buffers, s, rows, width, shared, sums)
+                    counts[update.name][rows] += (
+                        1 if isinstance(rows, list) else _mask(sizes[s], rows)
+                    )
+        flat_cpu = [leaf.cpu() for leaf in leaves]
+        per_client = [leaf.unbind(0) for leaf in flat_cpu]
+        sums_cpu = {u: {k: v.cpu().tolist() for k, v in m.items()} for u, m in sums.items()}
+        out: list[ClientRun] = []
+        for c in range(num):
+            if runs[c] is not None:
+                out.append(runs[c])  # type: ignore[arg-type]
+                continue
+            carry = tree_unflatten([rows[c] for rows in per_client], spec)
+            client_counts = {u: int(n[c]) for u, n in counts.items()}
+            client_sums = {u: {k: v[c] for k, v in m.items()} for u, m in sums_cpu.items()}
+            out.append(ClientRun(carry, finish_metrics(client_sums, client_counts), client_counts))
+        return out
+
+    # -- one update of one group of clients at step s ----------------------------------------
+    def _step(
+        self,
+        update: Update,
+        leaves: list[torch.Tensor],
+        spec: Any,
+        index: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]],
+        buffers: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        s: int,
+        rows: Rows,
+        width: int,
+        shared: dict[str, Any],
+        sums: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        arena = self.arena
+        sub = [leaf[rows] for leaf in leaves]
+        batches = []
+        for name in update.plans:
+            plan_rows, plan_weight, _ = index[name]
+            picked = plan_rows[s, rows, :width]
+            flat = picked.reshape(-1)
+            n = flat.shape[0]
+            x_buf, y_buf = buffers[name]
+            xb = torch.index_select(arena.x, 0, flat, out=x_buf[:n])
+            yb = torch.index_select(arena.y, 0, flat, out=y_buf[:n])
+            batches.append(
+                (
+                    xb.view(*picked.shape, *arena.x.shape[1:]),
+                    yb.view(*picked.shape, *arena.y.shape[1:]),
+                    plan_weight[s, rows, :width],
+                )
+            )
+        lead_weight = batches[0][2]
+        on = lead_weight.sum(dim=1) > 0
+        new_carry, metrics = self._vmapped[update.name](
+            tree_unflatten(sub, spec), tuple(batches), shared
+        )
+        new_leaves = tree_flatten(new_carry)[0]
+        everyone = bool(on.all())
+        whole = rows == slice(0, self.num)
+        for i, (old, new) in enumerate(zip(sub, new_leaves, strict=True)):
+            if isinstance(rows, slice):
+                if _same(old, new):  # passed through, or written in place (a view)
+                    continue
+                if everyone and whole:
+                    leaves[i] = new
+                else:
+                    old.copy_(new if everyone else torch.where(_expand(on, new), new, old))
+            else:
+                merged = new if everyone else torch.where(_expand(on, new), new, old)
+                leaves[i].index_copy_(0, torch.tensor(rows, device=new.device), merged)
+        acc = sums[update.name]
+        for key, value in metrics.items():
+            masked = value.detach() * on.to(value.dtype)
+            if key not in acc:
+                acc[key] = torch.zeros(self.num, dtype=value.dtype, device=value.device)
+            if isinstance(rows, slice):
+                acc[key][rows] += masked
+            else:
+                acc[key].index_add_(0, torch.tensor(rows, device=value.device), masked)
+
+    def _groups(self, on_rows: list[int], sizes: list[int]) -> list[tuple[Rows, int]]:
+        """Which clients take an update together at step s, and their padded batch width:
+        without normalization layers the prefix up to the last client with a minibatch (the
+        others masked), with them groups of exact batch size (no padding)."""
+        if not self.group_by_size:
+            return [(slice(0, on_rows[-1] + 1), max(sizes[c] for c in on_rows))]
+        by_size: dict[int, list[int]] = {}
+        for c in on_rows:
+            by_size.setdefault(sizes[c], []).append(c)
+        return [(members, size) for size, members in sorted(by_size.items())]
+
+    def _gather_buffers(
+        self, index: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]], num: int
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """One preallocated (x, y) buffer per plan that every step's minibatches of that plan
+        are gathered into (index_select with out=): 3x faster than advanced indexing x[rows]
+        for rows of 784 floats, and no fresh 31 MB block per step (W3)."""
+        x, y = self.arena.x, self.arena.y
+        out = {}
+        for name, (rows, _, _) in index.items():
+            n = num * rows.shape[2]
+            out[name] = (
+                torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=self.device),
+                torch.empty((n, *y.shape[1:]), dtype=y.dtype, device=self.device),
+            )
+        return out
+
+    def _finish_tail(
+        self,
+        leaves: list[torch.Tensor],
+        spec: Any,
+        tasks: list[ClientTask],
+        plans: list[dict[str, Plan]],
+        shared_cpu: dict[str, Any],
+        s: int,
+        alive: int,
+        sums: dict[str, dict[str, torch.Tensor]],
+        counts: dict[str, torch.Tensor],
+        runs: list[ClientRun | None],
+    ) -> None:
+        """The last few clients of a chunk run their remaining steps on the sequential
+        backend, continuing their carries, metric sums and step counts."""
+        for c in range(alive):
+            carry = tree_unflatten([leaf[c].cpu().clone() for leaf in leaves], spec)
+            client_sums = {u: {k: float(v[c]) for k, v in m.items()} for u, m in sums.items()}
+            client_counts = {u: int(n[c]) for u, n in counts.items()}
+            runs[c] = run_steps(
+                self.program, carry, plans[c], shared_cpu, tasks[c], s, client_sums, client_counts
+            )
+
+
+def _vmapped(update: Update) -> Any:
+    def one_client(carry: Carry, batches: tuple, shared: dict[str, Any]) -> tuple[Carry, dict]:
+        return update.fn(FUNC, carry, tuple(Batch(*b) for b in batches), shared)
+
+    return vmap(one_client, in_dims=(0, 0, None))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _expand(on: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return on.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _mask(sizes: list[int], rows: slice) -> torch.Tensor:
+    return torch.tensor([1 if n > 0 else 0 for n in sizes[rows]], dtype=torch.long)
