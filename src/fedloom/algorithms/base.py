@@ -32,6 +32,7 @@ from fedloom.solvers.program import (
     Update,
 )
 from fedloom.solvers.sequential import run_client
+from fedloom.solvers.steps import descend
 
 State = dict[str, Any]
 """A server's or client's persistent state: a (nested) dict of tensors and trees."""
@@ -387,9 +388,11 @@ class SGDProgram(ClientProgram):
                 grads = {k: g + extra[k] for k, g in grads.items()}
         new = dict(carry)
         if self.momentum:
-            grads = {k: self.momentum * carry["velocity"][k] + g for k, g in grads.items()}
+            grads = {
+                k: torch.add(g, carry["velocity"][k], alpha=self.momentum) for k, g in grads.items()
+            }
             new["velocity"] = grads
-        new["params"] = {k: p - shared["lr"] * grads[k] for k, p in params.items()}
+        new["params"] = descend(params, grads, shared["lr"])
         return new, {"loss": loss}
 
     def finish(

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fedloom.data.federated import ClientData
 from fedloom.solvers.ops import FUNC
@@ -53,11 +52,57 @@ def stack(leaves: list[Any]) -> Any:
     return torch.stack(leaves)
 
 
+Path = tuple[str, ...]
+
+
+class Structure:
+    """A carry's shape: the key paths of its tensors, in order, and those of its empty dicts
+    (a model without buffers). Plain Python: torch's generic pytree flattening cost 60 ms
+    per W3 round of 1,000 clients."""
+
+    def __init__(self, tree: Carry) -> None:
+        self.paths: list[Path] = []
+        self.empty: list[Path] = []
+        self._walk(tree, ())
+
+    def _walk(self, tree: Carry, prefix: Path) -> None:
+        if not tree and prefix:
+            self.empty.append(prefix)
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                self._walk(value, (*prefix, key))
+            else:
+                self.paths.append((*prefix, key))
+
+    def leaves(self, tree: Carry) -> list[Any]:
+        return [pick(tree, path) for path in self.paths]
+
+    def build(self, leaves: list[Any]) -> Carry:
+        """The nested dict with ``leaves`` at the paths (the inverse of ``leaves``)."""
+        out: Carry = {}
+        for path in self.empty:
+            _node(out, path[:-1])[path[-1]] = {}
+        for path, leaf in zip(self.paths, leaves, strict=True):
+            _node(out, path[:-1])[path[-1]] = leaf
+        return out
+
+
+def _node(tree: Carry, path: Path) -> Carry:
+    for key in path:
+        tree = tree.setdefault(key, {})
+    return tree
+
+
+def pick(tree: Carry, path: Path) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 def stack_carries(carries: list[Carry], device: torch.device) -> tuple[list[torch.Tensor], Any]:
     """The chunk's carries as stacked leaves (on ``device``) and their common structure."""
-    flat = [tree_flatten(c) for c in carries]
-    spec = flat[0][1]
-    leaves = [stack([f[0][i] for f in flat]).to(device) for i in range(len(flat[0][0]))]
+    spec = Structure(carries[0])
+    leaves = [stack([pick(c, path) for c in carries]).to(device) for path in spec.paths]
     return leaves, spec
 
 
@@ -202,7 +247,7 @@ class ChunkRunner:
             if runs[c] is not None:
                 out.append(runs[c])  # type: ignore[arg-type]
                 continue
-            carry = tree_unflatten([rows[c] for rows in per_client], spec)
+            carry = spec.build([rows[c] for rows in per_client])
             client_counts = {u: int(n[c]) for u, n in counts.items()}
             client_sums = {u: {k: v[c] for k, v in m.items()} for u, m in sums_cpu.items()}
             out.append(ClientRun(carry, finish_metrics(client_sums, client_counts), client_counts))
@@ -242,10 +287,8 @@ class ChunkRunner:
             )
         lead_weight = batches[0][2]
         on = lead_weight.sum(dim=1) > 0
-        new_carry, metrics = self._vmapped[update.name](
-            tree_unflatten(sub, spec), tuple(batches), shared
-        )
-        new_leaves = tree_flatten(new_carry)[0]
+        new_carry, metrics = self._vmapped[update.name](spec.build(sub), tuple(batches), shared)
+        new_leaves = spec.leaves(new_carry)
         everyone = bool(on.all())
         whole = rows == slice(0, self.num)
         for i, (old, new) in enumerate(zip(sub, new_leaves, strict=True)):
@@ -312,7 +355,7 @@ class ChunkRunner:
         """The last few clients of a chunk run their remaining steps on the sequential
         backend, continuing their carries, metric sums and step counts."""
         for c in range(alive):
-            carry = tree_unflatten([leaf[c].cpu().clone() for leaf in leaves], spec)
+            carry = spec.build([leaf[c].cpu().clone() for leaf in leaves])
             client_sums = {u: {k: float(v[c]) for k, v in m.items()} for u, m in sums.items()}
             client_counts = {u: int(n[c]) for u, n in counts.items()}
             runs[c] = run_steps(
