@@ -36,8 +36,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import fedloom
 from fedloom.config import parse_config
+from fedloom.core.functional import FunctionalModel
 from fedloom.data import FederatedData, load_dataset
-from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.rundir import RunDir
 from fedloom.models import build_model
 

@@ -28,7 +28,13 @@ class Registry(Generic[T]):
 
         return decorator
 
-    def add(self, name: str, obj: T) -> None:
+    def add(self, name: str, obj: T, replace_same: bool = False) -> None:
+        """Register ``obj``; with ``replace_same`` a class of the same module and qualified
+        name replaces the old one (a module imported again), anything else twice is an error."""
+        old = self._items.get(name)
+        if replace_same and old is not None and _same_definition(old, obj):
+            self._items[name] = obj
+            return
         self.register(name)(obj)
 
     def get(self, name: str) -> T:
@@ -46,3 +52,10 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def _same_definition(a: object, b: object) -> bool:
+    return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == (
+        getattr(b, "__module__", None),
+        getattr(b, "__qualname__", None),
+    )

@@ -7,10 +7,10 @@ from typing import Any
 
 import fedloom
 from fedloom.algorithms import AlgorithmContext
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import weighted_average
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import weighted_average
 from fedloom.models import MLP
+from fedloom.solvers.local import PlanMaker
 
 SHARDS = {"kind": "shards", "shards_per_client": 2}
 DIRICHLET = {"kind": "dirichlet", "alpha": 0.5}

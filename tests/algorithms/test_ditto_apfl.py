@@ -16,8 +16,8 @@ import torch
 import fedloom
 from fedloom.algorithms.apfl import APFL, APFLConfig
 from fedloom.algorithms.base import ClientTask
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
 from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
 from fedloom.models import build_model

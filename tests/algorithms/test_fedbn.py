@@ -10,13 +10,13 @@ import torch
 
 import fedloom
 from fedloom.algorithms.fedbn import FedBN
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import num_bytes, weighted_average
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.load import load_dataset
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.norm_calibration import calibrate_norm_stats
-from fedloom.engine.pytree import num_bytes, weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
+from fedloom.solvers.norm_calibration import calibrate_norm_stats
 from tests.resume import killed_and_resumed
 
 ROTATION = {"kind": "rotation"}

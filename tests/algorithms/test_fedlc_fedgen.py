@@ -28,12 +28,12 @@ from fedloom.algorithms.fedgen import (
 )
 from fedloom.algorithms.fedlc import calibrated_loss, calibration_shift
 from fedloom.config import parse_config
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import weighted_average
 from fedloom.data.load import load_dataset
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from fedloom.solvers.local import PlanMaker
 from tests.algorithms.digits_setup import digits_config
 from tests.algorithms.digits_setup import run_digits as run
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, pfl_config, run_pfl

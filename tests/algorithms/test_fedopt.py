@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from fedloom.algorithms import AlgorithmContext, ClientResult, build_algorithm
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import weighted_average
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
+from fedloom.solvers.local import PlanMaker
 from tests.algorithms.oracle import (
     as_vector,
     fedavg_fixed_point,

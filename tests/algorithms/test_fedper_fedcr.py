@@ -14,11 +14,11 @@ import fedloom
 from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
 from fedloom.algorithms.fedcr import ClassStatistics, gaussian_kl
 from fedloom.config import parse_config
+from fedloom.core.functional import FunctionalModel
 from fedloom.data.load import load_dataset
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from fedloom.solvers.local import PlanMaker
 from tests.algorithms.digits_setup import digits_config
 from tests.algorithms.digits_setup import digits_ctx as make_ctx
 from tests.algorithms.digits_setup import run_digits as run

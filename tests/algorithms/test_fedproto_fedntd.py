@@ -17,13 +17,13 @@ from fedloom.algorithms import AlgorithmContext, ClientTask, build_algorithm
 from fedloom.algorithms.fedntd import ntd_loss
 from fedloom.algorithms.fedproto import prototype_loss
 from fedloom.config import parse_config
-from fedloom.data.federated import ClientData
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import weighted_average
 from fedloom.data.load import load_dataset
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from fedloom.solvers.local import PlanMaker
 from tests.algorithms import digits_setup
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 from tests.resume import killed_and_resumed

@@ -14,13 +14,13 @@ import torch
 import fedloom
 from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
 from fedloom.config import parse_config
-from fedloom.data.federated import ClientData
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.data.load import load_dataset
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from fedloom.solvers.local import PlanMaker
 from fedloom.solvers.ops import AUTOGRAD
 from fedloom.solvers.program import Batch
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl

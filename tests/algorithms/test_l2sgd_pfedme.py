@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedloom.algorithms.l2sgd import local_step_count
-from fedloom.engine.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
 from tests.algorithms.oracle import (

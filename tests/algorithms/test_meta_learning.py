@@ -27,13 +27,13 @@ from fedloom.algorithms.perfedavg import (
     hessian_vector_product,
     meta_gradient,
 )
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import Tree, weighted_average
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree, weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
 from fedloom.models.base import FedModel
+from fedloom.solvers.local import PlanMaker
 from fedloom.solvers.ops import AUTOGRAD
 from fedloom.solvers.program import Batch
 from tests.algorithms import digits_setup

@@ -14,14 +14,14 @@ from torch import nn
 import fedloom
 from fedloom.algorithms import AlgorithmContext, ClientResult, build_algorithm
 from fedloom.config import parse_config
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import weighted_average
 from fedloom.data.load import load_dataset
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
 from fedloom.engine.loop import Engine
-from fedloom.engine.pytree import weighted_average
 from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
 from fedloom.models import MLP, build_model
+from fedloom.solvers.local import PlanMaker
 from tests.algorithms.digits_setup import digits_ctx
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 from tests.resume import killed_and_resumed

@@ -17,12 +17,12 @@ from fedloom.algorithms.base import AlgorithmContext, ClientResult
 from fedloom.algorithms.fpfc import FPFC, connected_components, scad_prox, smoothed_scad
 from fedloom.algorithms.pfedmac import PFedMac, assign_hubs, zero_fraction
 from fedloom.config import parse_config
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import num_bytes, weighted_average
 from fedloom.data import load_dataset
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import num_bytes, weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
+from fedloom.solvers.local import PlanMaker
 from tests.algorithms.oracle import (
     as_vector,
     max_curvature,

@@ -11,12 +11,12 @@ import torch
 import fedloom
 from fedloom.algorithms import AlgorithmContext, ClientTask, build_algorithm
 from fedloom.algorithms.schedule import Schedule
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
-from fedloom.engine.pytree import weighted_average
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import weighted_average
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from fedloom.solvers.local import PlanMaker
 
 ROUNDS = 5
 

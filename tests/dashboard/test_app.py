@@ -18,7 +18,7 @@ from fedloom.dashboard import server as dashboard_server
 from fedloom.dashboard.runs import RunsFolder
 from fedloom.errors import FedloomInputError, RunDirError
 from fedloom.report import format as fmt
-from fedloom.report.figures import build_panels
+from fedloom.report.panels import build_panels
 from fedloom.report.rundir import load_run
 from tests.report.fake_run import make_rows
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedloom.core.rng import numpy_rng
 from fedloom.data import from_arrays, load_dataset
-from fedloom.rng import numpy_rng
 
 
 def test_from_arrays_classification_round_trip() -> None:

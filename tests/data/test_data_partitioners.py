@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from fedloom.core.rng import numpy_rng
 from fedloom.data import PARTITIONS, load_dataset, load_mnist_arrays
 from fedloom.data.digits import load_digits_arrays
 from fedloom.data.rotate import rotate_bilinear, rotate_images
 from fedloom.errors import ConfigError
-from fedloom.rng import numpy_rng
 
 
 def _labels(n: int = 3000, classes: int = 10, seed: int = 0) -> np.ndarray:

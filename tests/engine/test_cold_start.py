@@ -12,9 +12,9 @@ import torch
 import fedloom
 from fedloom.config import parse_config
 from fedloom.data.load import load_dataset
-from fedloom.engine.local import PlanMaker
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
+from fedloom.solvers.local import PlanMaker
 
 NEW = 3
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedloom.engine import local, pytree
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.lean import LeanModule, backward
-from fedloom.engine.local import minibatches
+from fedloom.core import pytree
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.lean import LeanModule, backward
 from fedloom.models import build_model
+from fedloom.solvers import local
+from fedloom.solvers.local import minibatches
 
 
 def cnn_model() -> FunctionalModel:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
 from fedloom.engine.monitoring import (
     feature_js,
     gradient_dissimilarity,

@@ -17,9 +17,9 @@ import torch
 import fedloom
 from fedloom.algorithms import ALGORITHMS
 from fedloom.config import ExecutorConfig
-from fedloom.data.federated import ClientData
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
 from fedloom.engine import ray_executor
-from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.ray_executor import RayExecutor, balanced_groups, compact, compact_client
 from fedloom.errors import ConfigError
 from tests.conftest import metrics_without_time

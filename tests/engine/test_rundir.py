@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 import fedloom
-from fedloom.engine import pytree
+from fedloom.core import pytree
 
 CONFIG = {
     "data": {"name": "digits", "num_clients": 6},

@@ -81,7 +81,7 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
-from fedloom.engine.pytree import Tree, clone
+from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import (
     BATCHES,
     Batch,

@@ -15,12 +15,13 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import LocalSolution, PlanMaker, local_sgd
-from fedloom.engine.objective_sgd import BatchObjective, objective_sgd
-from fedloom.engine.pytree import Tree, clone, num_bytes
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
+from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
+from fedloom.registry import Registry
+from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
+from fedloom.solvers.objective_sgd import BatchObjective, objective_sgd
 from fedloom.solvers.program import (
     BATCHES,
     Batch,
@@ -34,9 +35,6 @@ from fedloom.solvers.program import (
 from fedloom.solvers.sequential import run_client
 from fedloom.solvers.steps import descend
 
-State = dict[str, Any]
-"""A server's or client's persistent state: a (nested) dict of tensors and trees."""
-
 Weighting = Literal["uniform", "samples"]
 """Client weights p_k of the global objective sum_k p_k F_k: 1/K or n_k / n."""
 
@@ -47,52 +45,11 @@ def weighting_field(default: Weighting, what: str) -> Any:
     return Field(default=default, description=f"{what}: uniform 1/K or samples n_k/n")
 
 
-Message = dict[str, Tree]
-"""What travels between server and client, namespaced (``params``, ``buffers``, ``grad`` ...)."""
-
-
 class AlgorithmConfig(BaseModel):
     """Base of every algorithm's hyperparameters; unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
-
-
-@dataclass
-class ClientTask:
-    """One client's work order for one round, prepared by the engine."""
-
-    client_id: int
-    data: ClientData
-    plan: list[torch.Tensor]
-    """Minibatch index tensors, one per local step (stragglers get a truncated plan)."""
-    lr: float
-    round: int
-    full: int | None = None
-    """Local steps the client was asked for (``len(plan)`` is what it completed: fewer for a
-    straggler). None: not recorded, same as ``len(plan)``."""
-
-
-@dataclass
-class ClientResult:
-    """One client's answer for one round: what it uploads (counted as communication), its
-    aggregation weight, its new persistent state and metrics that never travel."""
-
-    upload: Message
-    weight: float
-    """Aggregation weight proposed by the client (its number of training samples)."""
-    loss: float
-    state: State | None = None
-    info: dict[str, float] = field(default_factory=dict)
-    """Metrics of the round (averaged over clients into metrics.jsonl); not uploaded."""
-    client_id: int = -1
-    round: int = -1
-    """Who produced the result, and when: set by the backend that ran the client."""
-
-    def stamped(self, task: ClientTask) -> ClientResult:
-        """This result marked as client ``task.client_id``'s of round ``task.round``."""
-        self.client_id, self.round = task.client_id, task.round
-        return self
 
 
 @dataclass
@@ -124,8 +81,19 @@ class AlgorithmContext:
         return self.population[client_id] / sum(self.population.values())
 
 
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithm.name")
+"""Every algorithm by name: a subclass of :class:`Algorithm` that sets ``name`` registers itself
+when its module is imported (``fedloom.algorithms`` imports every module of the package)."""
+
+
 class Algorithm:
-    """Base class. Subclasses set ``name``, ``summary`` and ``Config`` and override the hooks."""
+    """Base class. Subclasses set ``name``, ``summary`` and ``Config`` and override the hooks;
+    setting ``name`` registers the class in ``ALGORITHMS``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            ALGORITHMS.add(cls.name, cls, replace_same=True)
 
     name: ClassVar[str]
     summary: ClassVar[str]

@@ -62,7 +62,7 @@ from fedloom.algorithms.base import (
     State,
 )
 from fedloom.algorithms.schedule import Schedule, schedule_field
-from fedloom.engine.pytree import Tree, clone
+from fedloom.core.pytree import Tree, clone
 from fedloom.errors import unknown_name_message
 from fedloom.solvers.program import (
     BATCHES,

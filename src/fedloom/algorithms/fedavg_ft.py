@@ -8,8 +8,8 @@ from pydantic import Field
 
 from fedloom.algorithms.base import AlgorithmConfig, ClientTask, State
 from fedloom.algorithms.fedavg import FedAvg
-from fedloom.engine.local import local_sgd
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
+from fedloom.solvers.local import local_sgd
 
 
 class FedAvgFTConfig(AlgorithmConfig):

@@ -22,7 +22,7 @@ There is no single global model (``has_global_model = False``): client k deploys
 parameters with its own BN state. A client that never trained (a held-out new client,
 ``eval.new_clients``, or one never sampled) has no BN history; it deploys the shared parameters
 with the initial BN affine parameters and running statistics calibrated on its own training
-data (the card: 新客户端还需BN校准), see :mod:`fedloom.engine.norm_calibration`. The
+data (the card: 新客户端还需BN校准), see :mod:`fedloom.solvers.norm_calibration`. The
 sharing pattern itself is :mod:`fedloom.algorithms.partial`, shared with FedPer and FedCR.
 """
 
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, ClientTask
 from fedloom.algorithms.partial import PartialSharing
-from fedloom.engine.norm_calibration import calibrate_norm_stats
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
+from fedloom.solvers.norm_calibration import calibrate_norm_stats
 
 
 class FedBN(PartialSharing):

@@ -102,10 +102,10 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
-from fedloom.engine.objective_sgd import head_input
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
+from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.rng import generator
+from fedloom.solvers.objective_sgd import head_input
 
 MIN_SIGMA = 1e-8
 """sigma is clamped here before its log (the paper's code clamps at the same value)."""

@@ -61,7 +61,7 @@ Choices, and where they come from:
   label counts; the code counts the labels of the batches it drew, starting at 1). Uploaded as
   C int64 (counted in the upload bytes).
 - p_k: n_k / n (``weighting: samples``, the code's and FedAvg's, default) or 1/K.
-- FedGen trains with :func:`fedloom.engine.objective_sgd.objective_sgd` (its own client update):
+- FedGen trains with :func:`fedloom.solvers.objective_sgd.objective_sgd` (its own client update):
   the vectorized executor runs its clients one at a time. With alpha_gen = latent_beta = 0 the
   client update is FedAvg's bit for bit (the generator still trains on the server; a test
   checks it cannot touch the model). ``generator_steps: 0`` never trains the generator, so the
@@ -94,9 +94,9 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
-from fedloom.engine.objective_sgd import Batch, BatchObjective, single_head
-from fedloom.engine.pytree import Tree
-from fedloom.rng import generator
+from fedloom.core.pytree import Tree
+from fedloom.core.rng import generator
+from fedloom.solvers.objective_sgd import Batch, BatchObjective, single_head
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8

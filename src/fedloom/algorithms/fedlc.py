@@ -42,7 +42,7 @@ classes (the paper's pairwise label-margin analysis). One round::
   seed's addition, not part of the paper's loss.
 - p_k: n_k / n (``weighting: samples``, FedAvg's and the paper's, default) or 1/K (``uniform``).
 
-FedLC trains with :func:`fedloom.engine.objective_sgd.objective_sgd` (its own client update),
+FedLC trains with :func:`fedloom.solvers.objective_sgd.objective_sgd` (its own client update),
 so the vectorized executor runs its clients one at a time: same numbers, no speed-up. New
 clients start from the global model and fine-tune it with plain cross-entropy (the default
 cold start). Communication is FedAvg's: the model each way.
@@ -67,7 +67,7 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
-from fedloom.engine.objective_sgd import Batch
+from fedloom.solvers.objective_sgd import Batch
 
 
 class FedLCConfig(AlgorithmConfig):

@@ -36,9 +36,9 @@ from fedloom.algorithms.base import (
     Message,
     State,
 )
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.proximal import proximal_gradient
-from fedloom.engine.pytree import Tree, add
+from fedloom.core.pytree import Tree, add
+from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.steps import proximal_gradient
 
 
 class FedNovaConfig(AlgorithmConfig):

@@ -43,9 +43,9 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.fedavg import FedAvg
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.objective_sgd import Batch
-from fedloom.engine.pytree import Tree
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import Tree
+from fedloom.solvers.objective_sgd import Batch
 
 
 class FedNTDConfig(AlgorithmConfig):

@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, ClientResult, State
-from fedloom.engine.pytree import Tree, zeros_like
+from fedloom.core.pytree import Tree, zeros_like
 
 Slots = dict[str, Tree]
 """The server optimizer's state trees by name (``m``, ``v``)."""

@@ -44,9 +44,9 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.partial import PartialSharing
-from fedloom.engine.objective_sgd import objective_sgd
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
+from fedloom.solvers.objective_sgd import objective_sgd
 
 
 class FedPerConfig(AlgorithmConfig):

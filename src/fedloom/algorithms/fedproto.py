@@ -3,7 +3,7 @@ Clients", arXiv:2105.00243, Algorithm 1); seed 004, first article, section 三 3
 
 No model parameters travel. Every client keeps its whole model (client state, initially the
 common initial model); what is shared are class prototypes, the mean representation h(x) (the
-head's input, :func:`fedloom.engine.objective_sgd.single_head`) of each class. One round::
+head's input, :func:`fedloom.solvers.objective_sgd.single_head`) of each class. One round::
 
     server sends C_bar_j for the classes j that have a global prototype
     client k:  SGD from its own model on, per minibatch B,
@@ -53,9 +53,9 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.objective_sgd import Batch, head_input, single_head
-from fedloom.engine.pytree import Tree, clone
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import Tree, clone
+from fedloom.solvers.objective_sgd import Batch, head_input, single_head
 
 
 class FedProtoConfig(AlgorithmConfig):

@@ -16,8 +16,8 @@ from pydantic import Field
 from fedloom.algorithms.base import AlgorithmConfig, Message, State
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.schedule import Schedule, schedule_field
-from fedloom.engine.proximal import proximal_gradient
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
+from fedloom.solvers.steps import proximal_gradient
 
 
 class FedProxConfig(AlgorithmConfig):

@@ -48,8 +48,8 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
-from fedloom.engine.pytree import clone
-from fedloom.engine.workload import steps_per_epoch
+from fedloom.core.pytree import clone
+from fedloom.solvers.local import steps_per_epoch
 from fedloom.solvers.program import (
     BATCHES,
     Batch,

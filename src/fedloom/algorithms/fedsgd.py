@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import add
+from fedloom.core.pytree import add
+from fedloom.solvers.local import LocalSolution
 
 
 class FedSGD(Algorithm):

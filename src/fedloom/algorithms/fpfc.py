@@ -82,8 +82,8 @@ from fedloom.algorithms.base import (
     Message,
     State,
 )
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import Tree, clone, num_bytes
+from fedloom.core.pytree import Tree, clone, num_bytes
+from fedloom.solvers.local import LocalSolution
 
 
 class FPFCConfig(AlgorithmConfig):

@@ -56,10 +56,10 @@ from fedloom.algorithms.base import (
     Message,
     State,
 )
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import Tree, add, clone, sub
+from fedloom.core.pytree import Tree, add, clone, sub
+from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.rng import generator
+from fedloom.solvers.local import LocalSolution
 
 
 class L2SGDConfig(AlgorithmConfig):

@@ -4,8 +4,8 @@ never communicates. The lower reference of every algorithm card's baselines."""
 from __future__ import annotations
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import Tree, clone
+from fedloom.core.pytree import Tree, clone
+from fedloom.solvers.local import LocalSolution
 
 
 class LocalOnly(Algorithm):

@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmContext, ClientTask, State
-from fedloom.engine.objective_sgd import objective_sgd
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
+from fedloom.solvers.objective_sgd import objective_sgd
 
 ADAPT_PURPOSE = "adapt"
 """Stream of the adaptation minibatches (shared with the engine's cold-start evaluation)."""

@@ -31,9 +31,9 @@ from fedloom.algorithms.base import (
     Message,
     State,
 )
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import Tree, clone, select
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import Tree, clone, select
+from fedloom.solvers.local import LocalSolution
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,8 @@ from fedloom.algorithms.base import (
 )
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.pytree import Tree, clone
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import (
     BATCHES,
     Batch,

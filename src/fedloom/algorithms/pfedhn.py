@@ -64,10 +64,10 @@ from fedloom.algorithms.base import (
     Message,
     State,
 )
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import Tree, num_bytes
+from fedloom.core.pytree import Tree, num_bytes
+from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.rng import generator
+from fedloom.solvers.local import LocalSolution
 
 
 class PFedHNConfig(AlgorithmConfig):

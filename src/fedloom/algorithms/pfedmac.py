@@ -81,10 +81,10 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
-from fedloom.engine.local import local_sgd
-from fedloom.engine.pytree import Tree, add, clone, num_bytes, scale
+from fedloom.core.pytree import Tree, add, clone, num_bytes, scale
+from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.rng import generator
+from fedloom.solvers.local import local_sgd
 
 
 class PFedMacConfig(AlgorithmConfig):

@@ -47,7 +47,7 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.schedule import Schedule, schedule_field
-from fedloom.engine.pytree import Tree, clone
+from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import (
     BATCHES,
     Batch,

@@ -38,8 +38,8 @@ from fedloom.algorithms.base import (
 )
 from fedloom.algorithms.fedopt import ServerOptimizer, Slots
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
+from fedloom.solvers.local import LocalSolution
 
 
 class ReptileConfig(AlgorithmConfig):

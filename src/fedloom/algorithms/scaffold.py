@@ -34,8 +34,8 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
-from fedloom.engine.local import LocalSolution
-from fedloom.engine.pytree import Tree, add, clone, sub, zeros_like
+from fedloom.core.pytree import Tree, add, clone, sub, zeros_like
+from fedloom.solvers.local import LocalSolution
 
 
 class ScaffoldConfig(AlgorithmConfig):

@@ -1,7 +1,7 @@
 """The dashboard's HTML: the run list and the live run page (same panels as report.html).
 
 Pages use the report's style (``report.html.CSS``). The run page draws its figures in the
-browser from the JSON that ``run_payload`` builds with ``report.figures.build_panels``, and
+browser from the JSON that ``run_payload`` builds with ``report.panels.build_panels``, and
 polls for a new version every ``POLL_MS`` milliseconds, redrawing with ``Plotly.react``.
 """
 
@@ -16,7 +16,6 @@ from fedloom.dashboard.runs import Entry, RunsFolder, age, script_json
 from fedloom.report import format as fmt
 from fedloom.report.alerts import evaluate_alerts
 from fedloom.report.compare import COMPARE_CSS, alerts_cell
-from fedloom.report.figures import build_panels
 from fedloom.report.html import (
     CSS,
     PLOTLY_CONFIG,
@@ -25,6 +24,7 @@ from fedloom.report.html import (
     cost_cards,
     quality_cards,
 )
+from fedloom.report.panels import build_panels
 from fedloom.report.rundir import RunData, dig
 
 PLOTLY_URL = "/static/plotly.min.js"

@@ -9,27 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedloom.core.protocol import ClientData
 from fedloom.errors import DataError
 
-
-@dataclass
-class ClientData:
-    """One client's data as tensors (views into shared storage where possible, never copies
-    per round). ``x`` has the model's input shape per sample; ``y`` is int64 class ids
-    (classification) or float32 targets of shape (n,) or (n, d) (regression)."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-    @property
-    def num_train(self) -> int:
-        return int(self.x_train.shape[0])
-
-    @property
-    def num_test(self) -> int:
-        return int(self.x_test.shape[0])
+__all__ = ["ClientData", "FederatedData", "from_arrays"]
 
 
 @dataclass
@@ -116,7 +99,7 @@ def from_arrays(
     Without ``test``, each client's pairs are shuffled (seeded) and ``test_fraction`` of them
     held out.
     """
-    from fedloom.rng import numpy_rng
+    from fedloom.core.rng import numpy_rng
 
     if len(train) == 0:
         raise DataError("from_arrays: train must hold at least one client's (features, targets)")

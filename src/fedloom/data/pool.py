@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedloom.core.rng import numpy_rng
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.spec import DataRequest
 from fedloom.errors import ConfigError
-from fedloom.rng import numpy_rng
 
 
 def num_test(n: int, test_fraction: float) -> int:

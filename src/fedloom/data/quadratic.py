@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from fedloom.core.rng import numpy_rng
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.pool import num_test
 from fedloom.data.spec import DATASETS, NATURAL, DataRequest, DatasetSpec
 from fedloom.errors import ConfigError
-from fedloom.rng import numpy_rng
 
 DEFAULT_CLIENTS = 10
 SCALE_RANGE = (0.25, 4.0)

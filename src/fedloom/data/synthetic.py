@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedloom.core.rng import numpy_rng
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.pool import num_test
 from fedloom.data.spec import DATASETS, NATURAL, DataRequest, DatasetSpec
-from fedloom.rng import numpy_rng
 
 DIM = 60
 CLASSES = 10

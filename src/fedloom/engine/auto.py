@@ -20,12 +20,12 @@ import torch
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.config import ExecutorConfig
-from fedloom.data.federated import ClientData
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.engine.executor import SequentialExecutor
-from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.processes import MultiprocessExecutor
-from fedloom.engine.pytree import Tree
 from fedloom.engine.vectorized import VectorizedExecutor
 from fedloom.errors import ConfigError
 

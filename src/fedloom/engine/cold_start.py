@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 from fedloom.algorithms.base import Algorithm, ClientTask, State
-from fedloom.data.federated import ClientData
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.engine.metrics import EvalCounts, client_quantiles
-from fedloom.engine.objective_sgd import objective_sgd
-from fedloom.engine.pytree import Tree
+from fedloom.solvers.objective_sgd import objective_sgd
 
 
 def adaptation_curve(

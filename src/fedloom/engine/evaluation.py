@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch.func import vmap
 
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.engine.metrics import EvalCounts
-from fedloom.engine.pytree import Tree
 
 Model = tuple[Tree, Tree]
 

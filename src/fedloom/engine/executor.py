@@ -9,12 +9,12 @@ import torch
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.config import ExecutorConfig
-from fedloom.data.federated import ClientData
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
-from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.memory import keep_large_blocks_in_heap
 from fedloom.engine.metrics import EvalCounts
-from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 
 

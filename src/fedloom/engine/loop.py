@@ -21,12 +21,12 @@ from fedloom.algorithms import (
 )
 from fedloom.algorithms.base import Message, State
 from fedloom.config import RunConfig
+from fedloom.core import pytree
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.rng import generator, seed_for
 from fedloom.data.federated import ClientData, FederatedData
-from fedloom.engine import pytree
 from fedloom.engine.cold_start import adaptation_curve
 from fedloom.engine.executor import make_executor
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.local import PlanMaker
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.engine.monitoring import (
     HETEROGENEITY_FILE,
@@ -43,7 +43,7 @@ from fedloom.engine.tracking import Tracker, make_trackers
 from fedloom.engine.workload import full_budget, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
-from fedloom.rng import generator, seed_for
+from fedloom.solvers.local import PlanMaker
 
 POOLED_CLIENT = -1
 """Client id of the virtual client that holds all data (centralized training)."""

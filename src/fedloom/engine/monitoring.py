@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.pytree import Tree
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 
 FEATURE_BINS = 32
 HETEROGENEITY_FILE = "heterogeneity.json"

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.data.federated import ClientData
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.engine.metrics import EvalCounts
-from fedloom.engine.pytree import Tree
 from fedloom.engine.scheduling import balanced_groups
 
 _WORKER: dict[str, Any] = {}

@@ -22,11 +22,11 @@ import torch
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.config import ExecutorConfig
-from fedloom.data.federated import ClientData
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
-from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.metrics import EvalCounts
-from fedloom.engine.pytree import Tree
 from fedloom.engine.scheduling import balanced_groups
 from fedloom.errors import ConfigError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fedloom.rng import generator
+from fedloom.core.rng import generator
 
 
 def sample_clients(seed: int, round: int, eligible: list[int], per_round: int | None) -> list[int]:

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.data.federated import ClientData
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_stacked
-from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.memory import (
     activation_bytes_per_sample,
     choose_chunk_size,
@@ -23,7 +24,6 @@ from fedloom.engine.memory import (
     parse_bytes,
 )
 from fedloom.engine.metrics import EvalCounts
-from fedloom.engine.pytree import Tree
 from fedloom.errors import ConfigError
 from fedloom.solvers.vmap import Arena, ChunkRunner, plan_steps, to_device
 

@@ -17,8 +17,9 @@ import math
 import torch
 
 from fedloom.config import TrainConfig, WorkDistribution
+from fedloom.core.rng import NO_ID, generator
 from fedloom.errors import ConfigError
-from fedloom.rng import NO_ID, generator
+from fedloom.solvers.local import steps_per_epoch
 
 
 def draw_work(spec: int | WorkDistribution, seed: int, round: int, client: int) -> int:
@@ -41,9 +42,6 @@ def draw_work(spec: int | WorkDistribution, seed: int, round: int, client: int) 
     probs = torch.tensor(spec.probs or [1.0] * len(spec.values), dtype=torch.float64)
     return spec.values[int(torch.multinomial(probs, 1, generator=gen))]
 
-
-def steps_per_epoch(n: int, batch_size: int | None) -> int:
-    return 1 if batch_size is None else max(1, math.ceil(n / batch_size))
 
 
 def full_budget(train: TrainConfig, seed: int, round: int, client: int, n: int) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from fedloom.report.format import human_bytes
-from fedloom.report.rundir import LabelHistogram, RunData, dig, num
+from fedloom.report.rundir import LabelHistogram, RunData, num
 
 GLOBAL = "#1f5fa8"
 PERSONAL = "#d1495b"
@@ -32,29 +32,6 @@ class Panel:
     figure: go.Figure | None = None
     note: str = ""
     wide: bool = True
-
-
-def build_panels(run: RunData) -> list[Panel]:
-    """All figure slots of the report, in page order, grouped as the seed's monitoring table
-    (convergence health, personalization, heterogeneity, resources). The cold-start slot is
-    there only for runs that hold clients out (``eval.new_clients`` > 0)."""
-    from fedloom.report import health  # health builds on this module's helpers
-
-    held_out = num(dig(run.config, "eval", "new_clients")) or (run.summary or {}).get("cold_start")
-    return [
-        accuracy_panel(run),
-        loss_panel(run),
-        health.update_norm_panel(run),
-        health.cosine_panel(run),
-        client_accuracy_panel(run),
-        *([cold_start_panel(run)] if held_out else []),
-        health.heterogeneity_panel(run),
-        health.client_heterogeneity_panel(run),
-        label_histogram_panel(run.label_histogram),
-        communication_panel(run),
-        health.resources_panel(run),
-        *([health.privacy_panel(run)] if health.has_privacy(run) else []),
-    ]
 
 
 def base_layout(fig: go.Figure, *, height: int, x_title: str, y_title: str) -> go.Figure:

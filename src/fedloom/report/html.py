@@ -14,7 +14,8 @@ import yaml
 
 from fedloom.report import format as fmt
 from fedloom.report.alerts import Alert, evaluate_alerts
-from fedloom.report.figures import Panel, build_panels
+from fedloom.report.figures import Panel
+from fedloom.report.panels import build_panels
 from fedloom.report.rundir import (
     RunData,
     config_name,

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from fedloom.algorithms.base import ClientResult, ClientTask, Message, State
-    from fedloom.engine.functional import FunctionalModel
+    from fedloom.core.functional import FunctionalModel
+    from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 
 Carry = dict[str, Any]
 """A client's working variables during its local steps: a nested dict of tensors."""

@@ -10,7 +10,7 @@ from fedloom.solvers.ops import AUTOGRAD
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan
 
 if TYPE_CHECKING:
-    from fedloom.algorithms.base import ClientResult, ClientTask, Message, State
+    from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 
 MetricSums = dict[str, dict[str, float]]
 

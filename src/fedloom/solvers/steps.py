@@ -8,7 +8,7 @@ from collections.abc import Collection
 
 import torch
 
-from fedloom.engine.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel
 from fedloom.solvers.program import Batch, Ops
 
 Tree = dict[str, torch.Tensor]
@@ -47,12 +47,18 @@ def descend(params: Tree, grads: Tree, lr: float | torch.Tensor) -> Tree:
     return {k: torch.add(p, grads[k], alpha=-lr) if k in grads else p for k, p in params.items()}
 
 
-def pull(grads: Tree, params: Tree, anchor: Tree, mu: float) -> Tree:
-    """grads + mu (params - anchor): the gradient of the proximal term mu/2 ||w - anchor||^2
-    added (FedProx, Ditto (9), pFedMe (6)); ``grads`` itself when mu is 0."""
+def proximal_gradient(params: Tree, anchor: Tree, mu: float) -> Tree | None:
+    """The gradient mu (w - anchor) of the proximal term mu/2 ||w - anchor||^2 at ``params``
+    (FedProx, FedNova, FedDyn, Ditto (9), pFedMe (6)); None when mu is 0."""
     if mu == 0:
-        return grads
-    return {k: g + mu * (params[k] - anchor[k]) for k, g in grads.items()}
+        return None
+    return {k: mu * (params[k] - anchor[k]) for k in params}
+
+
+def pull(grads: Tree, params: Tree, anchor: Tree, mu: float) -> Tree:
+    """grads with the proximal term's gradient added (``grads`` itself when mu is 0)."""
+    extra = proximal_gradient(params, anchor, mu)
+    return grads if extra is None else {k: g + extra[k] for k, g in grads.items()}
 
 
 def prox_sgd_step(

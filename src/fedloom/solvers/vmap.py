@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import vmap
 
-from fedloom.data.federated import ClientData
+from fedloom.core.protocol import ClientData
 from fedloom.solvers.ops import FUNC
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan, Update
 from fedloom.solvers.sequential import finish_metrics, run_steps
 
 if TYPE_CHECKING:
-    from fedloom.algorithms.base import ClientTask, Message, State
+    from fedloom.core.protocol import ClientTask, Message, State
 
 SEQUENTIAL_TAIL = 4
 """When at most this many clients of a chunk still have steps left, they finish one at a time

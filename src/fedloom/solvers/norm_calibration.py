@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
 
-from fedloom.engine.pytree import Tree, clone
+from fedloom.core.pytree import Tree, clone
 
 
 def running_stat_layers(

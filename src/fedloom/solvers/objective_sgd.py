@@ -1,6 +1,6 @@
 """Local SGD on a custom minibatch objective, optionally on a subset of the parameters.
 
-The shared solver (:func:`fedloom.engine.local.local_sgd`) minimizes the plain loss plus a
+The shared solver (:func:`fedloom.solvers.local.local_sgd`) minimizes the plain loss plus a
 parameter-space correction; the algorithms of function-space regularization (FedProto, FedNTD,
 FedLC, FedGen), the decoupled ones that train part of the model at a time (FedRep's head then
 body phases) and the cold-start adaptation of a new client need the minibatch objective itself:
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedloom.engine.functional import FunctionalModel
-from fedloom.engine.lean import LeanModule, backward
-from fedloom.engine.local import LocalSolution, minibatches
-from fedloom.engine.pytree import Tree
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.lean import LeanModule, backward
+from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
+from fedloom.solvers.local import LocalSolution, minibatches
 
 
 @dataclass

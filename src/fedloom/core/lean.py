@@ -20,7 +20,7 @@ import copy
 import torch
 from torch import nn
 
-from fedloom.engine.pytree import Tree
+from fedloom.core.pytree import Tree
 
 try:  # torch's own entry to the C++ autograd engine, behind Tensor.backward
     from torch.autograd.graph import _engine_run_backward

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from fedloom.engine.lean import LeanModule
-from fedloom.engine.pytree import Tree
+from fedloom.core.lean import LeanModule
+from fedloom.core.pytree import Tree
+from fedloom.core.rng import seed_for
 from fedloom.models.base import FedModel
-from fedloom.rng import seed_for
 
 
 class FunctionalModel:

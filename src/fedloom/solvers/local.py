@@ -7,16 +7,22 @@ same plan is reproduced on every executor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from fedloom.data.federated import ClientData
-from fedloom.engine.functional import FunctionalModel, GradCorrection
-from fedloom.engine.lean import backward
-from fedloom.engine.pytree import Tree
-from fedloom.rng import generator
+from fedloom.core.functional import FunctionalModel, GradCorrection
+from fedloom.core.lean import backward
+from fedloom.core.protocol import ClientData
+from fedloom.core.pytree import Tree
+from fedloom.core.rng import generator
+
+
+def steps_per_epoch(n: int, batch_size: int | None) -> int:
+    """Minibatches in one pass over ``n`` samples (1 for full batch)."""
+    return 1 if batch_size is None else max(1, math.ceil(n / batch_size))
 
 
 def batch_plan(

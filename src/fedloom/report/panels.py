@@ -1,0 +1,28 @@
+"""The report's figure slots in page order, from the general figures and the health panels."""
+
+from __future__ import annotations
+
+from fedloom.report import figures, health
+from fedloom.report.figures import Panel
+from fedloom.report.rundir import RunData, dig, num
+
+
+def build_panels(run: RunData) -> list[Panel]:
+    """All figure slots of the report, in page order, grouped as the seed's monitoring table
+    (convergence health, personalization, heterogeneity, resources). The cold-start slot is
+    there only for runs that hold clients out (``eval.new_clients`` > 0)."""
+    held_out = num(dig(run.config, "eval", "new_clients")) or (run.summary or {}).get("cold_start")
+    return [
+        figures.accuracy_panel(run),
+        figures.loss_panel(run),
+        health.update_norm_panel(run),
+        health.cosine_panel(run),
+        figures.client_accuracy_panel(run),
+        *([figures.cold_start_panel(run)] if held_out else []),
+        health.heterogeneity_panel(run),
+        health.client_heterogeneity_panel(run),
+        figures.label_histogram_panel(run.label_histogram),
+        figures.communication_panel(run),
+        health.resources_panel(run),
+        *([health.privacy_panel(run)] if health.has_privacy(run) else []),
+    ]
