@@ -260,10 +260,8 @@ class APFL(Algorithm):
             state["tau"] = torch.zeros((), dtype=F64)
         return state
 
-    def client_program(self) -> ClientProgram:
-        if self._program is None:
-            self._program = APFLProgram(self)
-        return self._program
+    def make_program(self) -> ClientProgram:
+        return APFLProgram(self)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

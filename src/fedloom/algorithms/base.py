@@ -183,13 +183,17 @@ class Algorithm:
         return ClientResult(upload, task.data.num_train, solved.loss)
 
     def client_program(self) -> ClientProgram:
-        """The client side as one program (solvers/program.py) that every executor runs:
-        by default local SGD from ``local_start`` on ``client_plan`` at ``local_lr``, with
+        """The client side as one program (solvers/program.py) that every executor runs,
+        made once by ``make_program``."""
+        if self._program is None:
+            self._program = self.make_program()
+        return self._program
+
+    def make_program(self) -> ClientProgram:
+        """By default local SGD from ``local_start`` on ``client_plan`` at ``local_lr``, with
         ``local_correction`` and ``local_momentum``, closed by ``local_finish``. Algorithms with
         other local work return their own program (pFedMe, Ditto, APFL, Per-FedAvg, ...)."""
-        if self._program is None:
-            self._program = SGDProgram(self)
-        return self._program
+        return SGDProgram(self)
 
     def client_update(
         self, message: Message, state: State | None, task: ClientTask
@@ -382,6 +386,9 @@ class SGDProgram(ClientProgram):
     def run_lean(
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult | None:
+        """The lean trainer runs plain SGD: a subclass with a step of its own steps through it."""
+        if type(self).step is not SGDProgram.step:
+            return None
         algorithm = self.algorithm
         params, buffers = algorithm.local_start(message, state, task)
         correction = None

@@ -190,10 +190,8 @@ class Ditto(Algorithm):
     def _inner_state(state: State | None) -> State | None:
         return None if state is None else state.get("inner")
 
-    def client_program(self) -> ClientProgram:
-        if self._program is None:
-            self._program = DittoProgram(self)
-        return self._program
+    def make_program(self) -> ClientProgram:
+        return DittoProgram(self)
 
     def personal_plan(self, task: ClientTask, global_steps: int) -> Plan:
         """Minibatches of (9) from the stream (seed, round, k, 'ditto/personal')."""

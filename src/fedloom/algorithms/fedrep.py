@@ -102,10 +102,8 @@ class FedRep(FedPer):
         epochs = HEAD_EPOCHS if cfg.head_epochs is None else cfg.head_epochs
         return epochs * steps_per_epoch(task.data.num_train, self.ctx.batch_size)
 
-    def client_program(self) -> ClientProgram:
-        if self._program is None:
-            self._program = FedRepProgram(self)
-        return self._program
+    def make_program(self) -> ClientProgram:
+        return FedRepProgram(self)
 
 
 HEAD = "fedrep/head"

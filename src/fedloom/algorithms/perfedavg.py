@@ -199,10 +199,8 @@ class PerFedAvg(AdaptedDeployment, FedAvg):
         """A new client fine-tunes at alpha, the step the model was meta-learned for."""
         return self.config.alpha
 
-    def client_program(self) -> ClientProgram:
-        if self._program is None:
-            self._program = PerFedAvgProgram(self)
-        return self._program
+    def make_program(self) -> ClientProgram:
+        return PerFedAvgProgram(self)
 
 
 class PerFedAvgProgram(ClientProgram):

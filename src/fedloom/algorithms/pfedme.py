@@ -82,10 +82,8 @@ class PFedMe(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"params": clone(server["params"]), "buffers": clone(server["buffers"])}
 
-    def client_program(self) -> ClientProgram:
-        if self._program is None:
-            self._program = PFedMeProgram(self)
-        return self._program
+    def make_program(self) -> ClientProgram:
+        return PFedMeProgram(self)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         p = [r.weight for r in results]
