@@ -36,7 +36,6 @@ PROBE = textwrap.dedent(
     st = engine._initial()
     tasks = engine.tasks_for_round(1, list(range(64)))
     message = engine.algorithm.server_message(st["server"])
-    plans = [engine.algorithm.client_plan(t) for t in tasks]
     size = ex.chunk_size(tasks, 64)
     def status(key):
         for line in open("/proc/self/status"):
@@ -44,11 +43,11 @@ PROBE = textwrap.dedent(
                 return int(line.split()[1]) * 1024
 
     # one client first: torch.func's first call allocates ~70-100 MB once per process
-    ex.solve_chunk(engine.algorithm, message, tasks[:1], [None], plans[:1])
+    ex.run_round(engine.algorithm, message, tasks[:1], [None])
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current resident size
     before = status("VmRSS")
-    ex.solve_chunk(engine.algorithm, message, tasks[:size], [None] * size, plans[:size])
+    results = ex.run_round(engine.algorithm, message, tasks[:size], [None] * size)
     peak = status("VmHWM")
     print(json.dumps({"chunk": size, "peak_bytes": peak - before, "budget": ex.budget}))
     """

@@ -210,18 +210,24 @@ class ChunkRunner:
             [program.init(message, s, t) for s, t in zip(states, tasks, strict=True)], dev
         )
         datas = [t.data for t in tasks]
-        index: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
+        index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for name in plans[0]:
             padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
             rows, weight, sizes = self.arena.batch_index(datas, padded)
-            index[name] = (rows.to(dev), weight.to(dev), sizes.tolist())
+            index[name] = (rows.to(dev), weight.to(dev), sizes)
         buffers = self._gather_buffers(index, num)
         sums: dict[str, dict[str, torch.Tensor]] = {u.name: {} for u in program.updates}
         counts = {u.name: torch.zeros(num, dtype=torch.long) for u in program.updates}
         program.model.module.train()
         runs: list[ClientRun | None] = [None] * num
+        # clients still stepping at step s: a prefix, as the clients come sorted by steps
+        alive_at = [0] * (end + 1)
+        for e in ends:
+            alive_at[e] += 1
+        for s in range(end - 1, -1, -1):
+            alive_at[s] += alive_at[s + 1]
         for s in range(end):
-            alive = sum(1 for e in ends if e > s)  # a prefix: clients are sorted by steps
+            alive = alive_at[s + 1]
             if 0 < alive <= SEQUENTIAL_TAIL < num:
                 self._finish_tail(
                     leaves, spec, tasks, plans, shared_cpu, s, alive, sums, counts, runs
@@ -229,16 +235,11 @@ class ChunkRunner:
                 break
             for update in program.updates:
                 sizes = index[update.plans[0]][2]
-                if s >= len(sizes):
+                if s >= sizes.shape[0]:
                     continue
-                on_rows = [c for c in range(num) if sizes[s][c] > 0]
-                if not on_rows:
-                    continue
-                for rows, width in self._groups(on_rows, sizes[s]):
+                for rows, width in self._groups(sizes[s]):
                     self._step(update, leaves, spec, index, buffers, s, rows, width, shared, sums)
-                    counts[update.name][rows] += (
-                        1 if isinstance(rows, list) else _mask(sizes[s], rows)
-                    )
+                    counts[update.name][rows] += (sizes[s][rows] > 0).long()
         flat_cpu = [leaf.cpu() for leaf in leaves]
         per_client = [leaf.unbind(0) for leaf in flat_cpu]
         sums_cpu = {u: {k: v.cpu().tolist() for k, v in m.items()} for u, m in sums.items()}
@@ -259,7 +260,7 @@ class ChunkRunner:
         update: Update,
         leaves: list[torch.Tensor],
         spec: Any,
-        index: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]],
+        index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         buffers: dict[str, tuple[torch.Tensor, torch.Tensor]],
         s: int,
         rows: Rows,
@@ -312,19 +313,24 @@ class ChunkRunner:
             else:
                 acc[key].index_add_(0, torch.tensor(rows, device=value.device), masked)
 
-    def _groups(self, on_rows: list[int], sizes: list[int]) -> list[tuple[Rows, int]]:
-        """Which clients take an update together at step s, and their padded batch width:
-        without normalization layers the prefix up to the last client with a minibatch (the
-        others masked), with them groups of exact batch size (no padding)."""
+    def _groups(self, sizes: torch.Tensor) -> list[tuple[Rows, int]]:
+        """Which clients take an update together at step s (``sizes``: each client's
+        minibatch size, 0 for none), and their padded batch width: without normalization layers
+        the prefix up to the last client with a minibatch (the others masked), with them groups
+        of exact batch size (no padding). Tensor ops, not a Python pass over the clients."""
+        on = (sizes > 0).nonzero().flatten()
+        if on.numel() == 0:
+            return []
         if not self.group_by_size:
-            return [(slice(0, on_rows[-1] + 1), max(sizes[c] for c in on_rows))]
+            last = int(on[-1]) + 1
+            return [(slice(0, last), int(sizes[:last].max()))]
         by_size: dict[int, list[int]] = {}
-        for c in on_rows:
-            by_size.setdefault(sizes[c], []).append(c)
+        for c, size in zip(on.tolist(), sizes[on].tolist(), strict=True):
+            by_size.setdefault(size, []).append(c)
         return [(members, size) for size, members in sorted(by_size.items())]
 
     def _gather_buffers(
-        self, index: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]], num: int
+        self, index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num: int
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """One preallocated (x, y) buffer per plan that every step's minibatches of that plan
         are gathered into (index_select with out=): 3x faster than advanced indexing x[rows]
@@ -376,7 +382,3 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _expand(on: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return on.view(-1, *([1] * (like.dim() - 1)))
-
-
-def _mask(sizes: list[int], rows: slice) -> torch.Tensor:
-    return torch.tensor([1 if n > 0 else 0 for n in sizes[rows]], dtype=torch.long)
