@@ -389,6 +389,10 @@ class SGDProgram(ClientProgram):
         """The lean trainer runs plain SGD: a subclass with a step of its own steps through it."""
         if type(self).step is not SGDProgram.step:
             return None
+        return self.lean_sgd(message, state, task)
+
+    def lean_sgd(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+        """Plain SGD (``SGDProgram.step``) on the lean flat-buffer trainer, for one client."""
         algorithm = self.algorithm
         params, buffers = algorithm.local_start(message, state, task)
         correction = None

@@ -17,13 +17,13 @@ clients one by one: same numbers, no speed-up)::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fedloom.core.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel, head_input
 from fedloom.core.lean import LeanModule, backward
 from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
@@ -48,21 +48,6 @@ class Batch:
 BatchObjective = Callable[[Batch], torch.Tensor]
 StepCallback = Callable[[int, LeanModule], None]
 """Called after each step with the number of steps done and the trainer (for snapshots)."""
-
-
-@contextlib.contextmanager
-def head_input(head: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """Inside the block, ``store['h']`` is the input of ``head``'s latest forward call."""
-    store: dict[str, torch.Tensor] = {}
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        store["h"] = args[0]
-
-    handle = head.register_forward_pre_hook(hook)
-    try:
-        yield store
-    finally:
-        handle.remove()
 
 
 def single_head(model: FunctionalModel, algorithm: str) -> str:
