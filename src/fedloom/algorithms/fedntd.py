@@ -49,7 +49,7 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.fedavg import FedAvg
-from fedloom.algorithms.objective import ObjectiveProgram
+from fedloom.algorithms.objective import ObjectiveProgram, model_result
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import LocalSolution
@@ -113,8 +113,7 @@ class FedNTD(FedAvg):
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
-        upload = {"params": solved.params, "buffers": solved.buffers}
-        return ClientResult(upload, self.upload_weight(task, self.config.weighting), solved.loss)
+        return model_result(task, solved, self.config.weighting)
 
 
 class FedNTDProgram(ObjectiveProgram):

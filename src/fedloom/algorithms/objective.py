@@ -34,6 +34,7 @@ import torch
 from fedloom.algorithms.base import Algorithm, SGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
+from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.program import Batch, Carry, Ops
 from fedloom.solvers.steps import descend
 
@@ -106,3 +107,10 @@ class ObjectiveProgram(SGDProgram):
 
         grads, value = ops.value_and_grad(loss, params)
         return {**carry, "params": descend(params, grads, shared["lr"])}, {"loss": value}
+
+
+def model_result(task: ClientTask, solved: LocalSolution, weighting: str) -> ClientResult:
+    """FedAvg's answer: the local model as the upload, weighted n_k (``weighting: samples``) or
+    1 (``uniform``)."""
+    upload = {"params": solved.params, "buffers": solved.buffers}
+    return ClientResult(upload, Algorithm.upload_weight(task, weighting), solved.loss)
