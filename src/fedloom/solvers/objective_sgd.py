@@ -1,17 +1,17 @@
 """Local SGD on a custom minibatch objective, optionally on a subset of the parameters.
 
 The shared solver (:func:`fedloom.solvers.local.local_sgd`) minimizes the plain loss plus a
-parameter-space correction; the algorithms of function-space regularization (FedProto, FedNTD,
-FedLC, FedGen), the decoupled ones that train part of the model at a time (FedRep's head then
-body phases) and the cold-start adaptation of a new client need the minibatch objective itself:
-the logits, the head's input features, the labels. This module runs those on the same lean
-flat-buffer trainer, one client at a time (the vectorized executor runs such algorithms'
-clients one by one: same numbers, no speed-up)::
+parameter-space correction; the cold-start adaptation of a new client and FedPer's fine-tuning
+of a subset of the parameters run here, on the same lean flat-buffer trainer, one client at a
+time::
 
     for each minibatch B of the plan:
         out, h = model(x_B), head input on x_B
         loss   = objective(Batch(step, x_B, y_B, out, h))      # default: the model's loss
         w[k]  <- w[k] - lr * d loss / d w[k]    for k in ``trainable`` (default: all)
+
+Training objectives of that kind (FedNTD, FedLC, FedGen, FedProto) are client programs instead,
+which both backends run: algorithms/objective.py.
 """
 
 from __future__ import annotations
