@@ -99,13 +99,15 @@ class ObjectiveProgram(SGDProgram):
         (batch,) = batches
         params, buffers = carry["params"], carry["buffers"]
 
-        def loss(p: Tree) -> torch.Tensor:
+        # the buffers go in as an argument: BatchNorm's forward updates them in place, which
+        # torch.func.grad refuses for a captured tensor
+        def loss(p: Tree, b: Tree) -> torch.Tensor:
             if not shared["regularized"]:
-                return self.data_loss(self.model.forward(p, buffers, batch.x), batch)
-            out, h = self.forward(p, buffers, batch.x)
+                return self.data_loss(self.model.forward(p, b, batch.x), batch)
+            out, h = self.forward(p, b, batch.x)
             return self.objective(p, out, h, batch, carry, shared)
 
-        grads, value = ops.value_and_grad(loss, params)
+        grads, value = ops.value_and_grad(loss, params, buffers)
         return {**carry, "params": descend(params, grads, shared["lr"])}, {"loss": value}
 
 
