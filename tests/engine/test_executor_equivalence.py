@@ -92,7 +92,14 @@ def test_executors_equal_sequential_mlp(algorithm, executor):
     assert_same(seq, other)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedsgd", *sorted(NEEDS_NORM_LAYERS)])
+OBJECTIVE_PROGRAMS = ["fedgen", "fedlc", "fedntd", "fedproto"]
+"""Objectives that see the logits or the head's features (FedNTD's teacher runs in evaluation
+mode: BatchNorm's running statistics)."""
+
+
+@pytest.mark.parametrize(
+    "algorithm", ["fedavg", "local", "fedsgd", *sorted(NEEDS_NORM_LAYERS), *OBJECTIVE_PROGRAMS]
+)
 def test_vectorized_equals_sequential_with_batch_norm(algorithm):
     # Batch size 121 keeps every minibatch >= 21 samples here: batch statistics of 1-3 samples
     # turn float rounding into large differences on any two summation orders.

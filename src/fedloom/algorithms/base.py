@@ -21,7 +21,6 @@ from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
 from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
-from fedloom.solvers.objective_sgd import BatchObjective, objective_sgd
 from fedloom.solvers.program import (
     BATCHES,
     Batch,
@@ -262,32 +261,6 @@ class Algorithm:
         """FedAvg-style aggregation weight of a client: n_k (``samples``) or 1 (``uniform``)."""
         return float(task.data.num_train) if weighting == "samples" else 1.0
 
-    def solve_objective(
-        self,
-        message: Message,
-        state: State | None,
-        task: ClientTask,
-        objective: BatchObjective | None,
-        head: str | None = None,
-    ) -> LocalSolution:
-        """The round's local SGD (from ``local_start``, on ``client_plan`` at ``local_lr``) on a
-        custom minibatch objective (engine/objective_sgd.py), in the client's dropout stream:
-        the client solver of FedNTD, FedLC, FedGen, FedProto."""
-        params, buffers = self.local_start(message, state, task)
-        data, model = task.data, self.ctx.model
-        with model.random_stream(self.ctx.seed, task.round, task.client_id):
-            return objective_sgd(
-                model,
-                params,
-                buffers,
-                data.x_train,
-                data.y_train,
-                self.client_plan(task),
-                self.local_lr(task),
-                objective,
-                head=head,
-            )
-
     def average_buffers(
         self, server: State, results: list[ClientResult], weights: list[float]
     ) -> Tree:
@@ -389,6 +362,10 @@ class SGDProgram(ClientProgram):
         """The lean trainer runs plain SGD: a subclass with a step of its own steps through it."""
         if type(self).step is not SGDProgram.step:
             return None
+        return self.lean_sgd(message, state, task)
+
+    def lean_sgd(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
+        """Plain SGD (``SGDProgram.step``) on the lean flat-buffer trainer, for one client."""
         algorithm = self.algorithm
         params, buffers = algorithm.local_start(message, state, task)
         correction = None

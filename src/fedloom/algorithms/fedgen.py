@@ -61,8 +61,10 @@ Choices, and where they come from:
   label counts; the code counts the labels of the batches it drew, starting at 1). Uploaded as
   C int64 (counted in the upload bytes).
 - p_k: n_k / n (``weighting: samples``, the code's and FedAvg's, default) or 1/K.
-- FedGen trains with :func:`fedloom.solvers.objective_sgd.objective_sgd` (its own client update):
-  the vectorized executor runs its clients one at a time. With alpha_gen = latent_beta = 0 the
+- The local step is a client program (:class:`FedGenProgram`, algorithms/objective.py) that the
+  sequential and the vmap backends both run. A client's draws (y^, z, z' of every local step,
+  in the order above, step by step) are taken from its stream in the program's ``init``, outside
+  the vmapped step, into its carry. With alpha_gen = latent_beta = 0 the
   client update is FedAvg's bit for bit (the generator still trains on the server; a test
   checks it cannot touch the model). ``generator_steps: 0`` never trains the generator, so the
   clients never use it: FedAvg plus the count upload. New clients: the global model,
@@ -78,6 +80,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,9 +97,12 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
+from fedloom.algorithms.objective import ObjectiveProgram, model_result
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
-from fedloom.solvers.objective_sgd import Batch, BatchObjective, single_head
+from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.objective_sgd import single_head
+from fedloom.solvers.program import BATCHES, Batch, Carry, ClientProgram, Ops, Plan
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -150,7 +156,8 @@ def init_generator(
 def generate(params: Tree, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """G(z, y): features of shape (batch, d) for noise ``z`` and labels ``y``."""
     num_classes = params["hidden.weight"].shape[1] - z.shape[1]
-    inputs = torch.cat([z, F.one_hot(y, num_classes).to(z.dtype)], dim=1)
+    one_hot = y[:, None] == torch.arange(num_classes, device=y.device)  # F.one_hot: not vmap
+    inputs = torch.cat([z, one_hot.to(z.dtype)], dim=1)
     hidden = F.relu(F.linear(inputs, params["hidden.weight"], params["hidden.bias"]))
     return F.linear(hidden, params["out.weight"], params["out.bias"])
 
@@ -292,40 +299,125 @@ class FedGen(Algorithm):
         return new
 
     # -- client ---------------------------------------------------------------------------
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
+    def make_program(self) -> ClientProgram:
+        return FedGenProgram(self)
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
-        cfg, model, data = self.config, self.ctx.model, task.data
-        gen = message.get("generator")
-        objective: BatchObjective | None = None
-        if gen is not None and (cfg.alpha_gen > 0 or cfg.latent_beta > 0):
-            prior = message["label_prior"]["p"]
-            stream = generator(self.ctx.seed, "fedgen", task.round, task.client_id)
+        result = model_result(task, solved, self.config.weighting)
+        counts = torch.bincount(task.data.y_train, minlength=self.num_classes)
+        result.upload["labels"] = {"counts": counts}
+        result.info = {"client": float(task.client_id), "round": float(task.round)}
+        return result
 
-            def augmented(batch: Batch) -> torch.Tensor:
-                loss = model.loss_from_output(batch.out, batch.y)
-                head = batch.lean.module.get_submodule(self.head_name)
-                n = batch.y.shape[0]
-                if cfg.alpha_gen > 0:
-                    y_hat = torch.multinomial(prior, n, True, generator=stream)
-                    z = torch.randn(n, cfg.noise_dim, generator=stream)
-                    logits = head(generate(gen, z, y_hat))
-                    loss = loss + cfg.alpha_gen * F.cross_entropy(logits, y_hat)
-                if cfg.latent_beta > 0:
-                    z = torch.randn(n, cfg.noise_dim, generator=stream)
-                    target = F.softmax(head(generate(gen, z, batch.y)), dim=-1).detach()
-                    kl = F.kl_div(F.log_softmax(batch.out, dim=-1), target, reduction="batchmean")
-                    loss = loss + cfg.latent_beta * kl
-                return loss
 
-            objective = augmented
+NOISE = "fedgen/noise"
+"""The carry's key of a client's draws for its local steps."""
 
-        solved = self.solve_objective(message, state, task, objective)
-        counts = torch.bincount(data.y_train, minlength=self.num_classes)
-        upload = {
-            "params": solved.params,
-            "buffers": solved.buffers,
-            "labels": {"counts": counts},
-        }
-        info = {"client": float(task.client_id), "round": float(task.round)}
-        return ClientResult(upload, self.upload_weight(task, cfg.weighting), solved.loss, info=info)
+
+def at_step(table: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Row ``step`` (a 0-d index tensor, one per client under vmap) of ``table``."""
+    return table.index_select(0, step.view(1)).squeeze(0)
+
+
+class FedGenProgram(ObjectiveProgram):
+    """The client's objective L_k with the frozen generator of the message (from round 2 on).
+
+    Its draws for step s sit in row s of tables in the carry, with a step counter; rows are
+    zero-padded to the round's longest and widest plan (the vmap backend stacks the carries of
+    a chunk, so they must have one shape), which does not change the values: every step's
+    draws take exactly its minibatch size from the stream, whatever the padding."""
+
+    def __init__(self, algorithm: FedGen) -> None:
+        super().__init__(algorithm)
+        self.config: FedGenConfig = algorithm.config
+        head = algorithm.head_name
+        self.head_keys = (f"{head}.weight", f"{head}.bias")
+        self.extent = (-1, 0, 0)
+        """(round, steps, width): the longest and the widest plan of the round so far (the
+        backends make every client's plans before any client's carry)."""
+
+    def regularized(self, message: Message) -> bool:
+        cfg = self.config
+        return "generator" in message and (cfg.alpha_gen > 0 or cfg.latent_beta > 0)
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        plans = super().plans(message, state, task)
+        self.extent = (task.round, *self._extent(task.round, plans[BATCHES].batches))
+        return plans
+
+    def _extent(self, round: int, plan: list[torch.Tensor]) -> tuple[int, int]:
+        seen, steps, width = self.extent
+        if seen != round:
+            steps = width = 0
+        return max(steps, len(plan)), max([width, *(b.shape[0] for b in plan)])
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        carry = super().init(message, state, task)
+        if self.regularized(message):
+            carry[NOISE] = self.draws(message["label_prior"]["p"], task)
+        return carry
+
+    def draws(self, prior: torch.Tensor, task: ClientTask) -> dict[str, torch.Tensor]:
+        """Per local step s with a minibatch of n samples, from the stream (seed, 'fedgen',
+        round, client): y^ ~ p_hat and z (n each, alpha_gen > 0), then z' (latent_beta > 0)."""
+        cfg = self.config
+        plan = self.algorithm.client_plan(task)
+        steps, width = self._extent(task.round, plan)
+        stream = generator(self.seed, "fedgen", task.round, task.client_id)
+        labels = torch.zeros(steps, width, dtype=torch.long)
+        z = torch.zeros(steps, width, cfg.noise_dim)
+        z_latent = torch.zeros(steps, width, cfg.noise_dim)
+        for s, idx in enumerate(plan):
+            n = idx.shape[0]
+            if cfg.alpha_gen > 0:
+                labels[s, :n] = torch.multinomial(prior, n, True, generator=stream)
+                z[s, :n] = torch.randn(n, cfg.noise_dim, generator=stream)
+            if cfg.latent_beta > 0:
+                z_latent[s, :n] = torch.randn(n, cfg.noise_dim, generator=stream)
+        noise = {"step": torch.zeros((), dtype=torch.long)}
+        if cfg.alpha_gen > 0:
+            noise.update(labels=labels, z=z)
+        if cfg.latent_beta > 0:
+            noise["z_latent"] = z_latent
+        return noise
+
+    def apply_head(self, params: Tree, features: torch.Tensor) -> torch.Tensor:
+        """The model's (linear) head applied to ``features``."""
+        weight, bias = self.head_keys
+        return F.linear(features, params[weight], params[bias])
+
+    def objective(
+        self,
+        params: Tree,
+        out: torch.Tensor,
+        h: torch.Tensor | None,
+        batch: Batch,
+        carry: Carry,
+        shared: dict[str, Any],
+    ) -> torch.Tensor:
+        cfg, noise = self.config, carry[NOISE]
+        gen = shared["message"]["generator"]
+        n = batch.y.shape[0]  # the minibatch, padded under vmap: its draws are the first n
+        loss = self.data_loss(out, batch)
+        if cfg.alpha_gen > 0:
+            y_hat = at_step(noise["labels"], noise["step"])[:n]
+            z = at_step(noise["z"], noise["step"])[:n]
+            logits = self.apply_head(params, generate(gen, z, y_hat))
+            ce = F.cross_entropy(logits, y_hat, reduction="none")
+            loss = loss + cfg.alpha_gen * batch.mean(ce)
+        if cfg.latent_beta > 0:
+            z = at_step(noise["z_latent"], noise["step"])[:n]
+            target = F.softmax(self.apply_head(params, generate(gen, z, batch.y)), dim=-1).detach()
+            kl = F.kl_div(F.log_softmax(out, dim=-1), target, reduction="none").sum(dim=-1)
+            loss = loss + cfg.latent_beta * batch.mean(kl)
+        return loss
+
+    def step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        new, metrics = super().step(ops, carry, batches, shared)
+        if NOISE in carry:
+            new[NOISE] = {**carry[NOISE], "step": carry[NOISE]["step"] + 1}
+        return new, metrics

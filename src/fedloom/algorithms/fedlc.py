@@ -42,8 +42,8 @@ classes (the paper's pairwise label-margin analysis). One round::
   seed's addition, not part of the paper's loss.
 - p_k: n_k / n (``weighting: samples``, FedAvg's and the paper's, default) or 1/K (``uniform``).
 
-FedLC trains with :func:`fedloom.solvers.objective_sgd.objective_sgd` (its own client update),
-so the vectorized executor runs its clients one at a time: same numbers, no speed-up. New
+The local step is a client program (:class:`FedLCProgram`, algorithms/objective.py) that the
+sequential and the vmap backends both run, each client's class counts in its carry. New
 clients start from the global model and fine-tune it with plain cross-entropy (the default
 cold start). Communication is FedAvg's: the model each way.
 """
@@ -51,6 +51,7 @@ cold start). Communication is FedAvg's: the model each way.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,15 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
-from fedloom.solvers.objective_sgd import Batch
+from fedloom.algorithms.objective import ObjectiveProgram, model_result
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.pytree import Tree
+from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
+
+NO_SAMPLE = -1e4
+"""Log-weight of a padding sample in the batch's mean softmax: exp(-1e4) is exactly 0 in float32
+and float64, and an all-padding batch stays finite."""
 
 
 class FedLCConfig(AlgorithmConfig):
@@ -92,13 +101,21 @@ def calibration_shift(counts: torch.Tensor, tau: float, min_count: float = 1.0) 
     return tau * counts.to(torch.float64).clamp_min(min_count).pow(-0.25)
 
 
-def prior_term(logits: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+def prior_term(
+    logits: torch.Tensor, prior: torch.Tensor, w: torch.Tensor | None = None
+) -> torch.Tensor:
     """KL(pi || p) = -sum_c pi_c log(p_c / pi_c), p = mean softmax of ``logits`` over the
-    batch; classes with pi_c = 0 contribute 0."""
-    log_p = torch.logsumexp(F.log_softmax(logits, dim=-1), dim=0) - math.log(logits.shape[0])
-    held = prior > 0
-    pi = prior[held].to(logits.dtype)
-    return (pi * (pi.log() - log_p[held])).sum()
+    batch (over its real samples: ``w`` are the sample weights of a padded batch); classes
+    with pi_c = 0 contribute 0."""
+    log_softmax = F.log_softmax(logits, dim=-1)
+    if w is None:
+        log_p = torch.logsumexp(log_softmax, dim=0) - math.log(logits.shape[0])
+    else:
+        log_w = w.to(logits.dtype).log().clamp_min(NO_SAMPLE)
+        log_p = torch.logsumexp(log_softmax + log_w[:, None], dim=0) - w.sum().clamp_min(1).log()
+    pi = prior.to(logits.dtype)
+    held = pi > 0
+    return torch.where(held, pi * (pi.log() - log_p), torch.zeros_like(log_p)).sum()
 
 
 def calibrated_loss(
@@ -108,15 +125,27 @@ def calibrated_loss(
     tau: float,
     prior_weight: float = 0.0,
     min_count: float = 1.0,
+    w: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FedLC's local loss on a minibatch: CE(logits - tau max(n, min_count)^(-1/4), y), plus
-    ``prior_weight`` times the seed's prior term when it is positive."""
+    ``prior_weight`` times the seed's prior term when it is positive; ``w``: the sample weights
+    of a padded batch (None: all real)."""
     shift = calibration_shift(counts, tau, min_count).to(logits.dtype)
-    loss = F.cross_entropy(logits - shift, y)
+    loss = weighted_mean(F.cross_entropy(logits - shift, y, reduction="none"), w)
     if prior_weight > 0:
         prior = counts.to(torch.float64) / counts.sum()
-        loss = loss + prior_weight * prior_term(logits, prior)
+        loss = loss + prior_weight * prior_term(logits, prior, w)
     return loss
+
+
+@torch.no_grad()
+def output_width(model: FunctionalModel, params: Tree, buffers: Tree, x: torch.Tensor) -> int:
+    """Number of outputs (classes) of the model, from an evaluation-mode forward pass on x."""
+    model.module.eval()
+    try:
+        return int(model.forward(params, buffers, x[:1]).shape[-1])
+    finally:
+        model.module.train()
 
 
 class FedLC(Algorithm):
@@ -131,19 +160,47 @@ class FedLC(Algorithm):
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return self.aggregate_models(results)
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
+    def make_program(self) -> ClientProgram:
+        return FedLCProgram(self)
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
-        cfg, data = self.config, task.data
-        counts: list[torch.Tensor] = []  # the client's class counts, sized on the first batch
+        return model_result(task, solved, self.config.weighting)
 
-        def objective(batch: Batch) -> torch.Tensor:
-            if not counts:
-                counts.append(torch.bincount(data.y_train, minlength=batch.out.shape[-1]))
-            return calibrated_loss(
-                batch.out, batch.y, counts[0], cfg.tau, cfg.prior_weight, cfg.min_count
+
+class FedLCProgram(ObjectiveProgram):
+    """The calibrated cross-entropy; the client's class counts n_{k,c} (its whole training set)
+    ride in its carry."""
+
+    def __init__(self, algorithm: FedLC) -> None:
+        super().__init__(algorithm)
+        self.config: FedLCConfig = algorithm.config
+        self.classes: int | None = None
+
+    def regularized(self, message: Message) -> bool:
+        return self.config.tau > 0 or self.config.prior_weight > 0
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        carry = super().init(message, state, task)
+        y = task.data.y_train
+        if self.classes is None:
+            self.classes = output_width(
+                self.model, carry["params"], carry["buffers"], task.data.x_train
             )
+        carry["class_counts"] = torch.bincount(y, minlength=self.classes)
+        return carry
 
-        solved = self.solve_objective(message, state, task, objective)
-        upload = {"params": solved.params, "buffers": solved.buffers}
-        return ClientResult(upload, self.upload_weight(task, cfg.weighting), solved.loss)
+    def objective(
+        self,
+        params: Tree,
+        out: torch.Tensor,
+        h: torch.Tensor | None,
+        batch: Batch,
+        carry: Carry,
+        shared: dict[str, Any],
+    ) -> torch.Tensor:
+        cfg = self.config
+        return calibrated_loss(
+            out, batch.y, carry["class_counts"], cfg.tau, cfg.prior_weight, cfg.min_count, batch.w
+        )

@@ -24,9 +24,15 @@ follow the authors' criterion (github.com/Lee-Gihun/FedNTD, ``algorithms/fedntd/
 independent of tau. The teacher runs in evaluation mode (BatchNorm's running statistics, no
 dropout), so the received model, buffers included, is never modified. beta = 0 is FedAvg, bit
 for bit. The global model is deployed and serves new clients, as FedAvg's.
+
+The local step is a client program (:class:`FedNTDProgram`, algorithms/objective.py) that the
+sequential and the vmap backends both run; the teacher is the round's broadcast model, shared by
+every client of a chunk.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +49,11 @@ from fedloom.algorithms.base import (
     weighting_field,
 )
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.objective import ObjectiveProgram, model_result
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
-from fedloom.solvers.objective_sgd import Batch
+from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
 
 
 class FedNTDConfig(AlgorithmConfig):
@@ -55,20 +63,27 @@ class FedNTDConfig(AlgorithmConfig):
 
 
 def not_true(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The logits without each sample's true class: shape (batch, classes - 1)."""
+    """The logits without each sample's true class, in class order: shape (batch, classes - 1).
+    A gather with fixed shapes (no boolean mask), so it runs under ``vmap``."""
     classes = logits.shape[-1]
-    mask = torch.ones_like(logits, dtype=torch.bool).scatter_(1, y[:, None], False)
-    return logits[mask].view(-1, classes - 1)
+    others = torch.arange(classes - 1, device=logits.device)[None, :]
+    index = others + (others >= y[:, None]).to(others.dtype)  # skip the true class
+    return logits.gather(1, index)
 
 
 def ntd_loss(
-    local: torch.Tensor, global_: torch.Tensor, y: torch.Tensor, tau: float
+    local: torch.Tensor,
+    global_: torch.Tensor,
+    y: torch.Tensor,
+    tau: float,
+    w: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """tau^2 * mean over the batch of KL(q~_g^tau || q~_l^tau) on the not-true classes."""
+    """tau^2 * mean over the batch of KL(q~_g^tau || q~_l^tau) on the not-true classes; ``w``:
+    sample weights of a padded batch (None: all real)."""
     log_q_local = F.log_softmax(not_true(local, y) / tau, dim=-1)
     log_q_global = F.log_softmax(not_true(global_, y) / tau, dim=-1)
-    kl = F.kl_div(log_q_local, log_q_global, reduction="batchmean", log_target=True)
-    return tau**2 * kl
+    kl = F.kl_div(log_q_local, log_q_global, reduction="none", log_target=True).sum(dim=-1)
+    return tau**2 * weighted_mean(kl, w)
 
 
 @torch.no_grad()
@@ -92,19 +107,36 @@ class FedNTD(FedAvg):
         super().__init__(config, ctx)
         self.require_classification("not-true classes")
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
+    def make_program(self) -> ClientProgram:
+        return FedNTDProgram(self)
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
-        cfg, model = self.config, self.ctx.model
-        params, buffers = message["params"], message["buffers"]
+        return model_result(task, solved, self.config.weighting)
 
-        def objective(batch: Batch) -> torch.Tensor:
-            loss = model.loss_from_output(batch.out, batch.y)
-            if cfg.beta > 0:
-                z_global = teacher_logits(model, params, buffers, batch.x)
-                loss = loss + cfg.beta * ntd_loss(batch.out, z_global, batch.y, cfg.tau)
-            return loss
 
-        solved = self.solve_objective(message, state, task, objective)
-        upload = {"params": solved.params, "buffers": solved.buffers}
-        return ClientResult(upload, self.upload_weight(task, cfg.weighting), solved.loss)
+class FedNTDProgram(ObjectiveProgram):
+    """L = CE(z_l, y) + beta L_NTD(z_l, z_g, y), z_g the broadcast model's logits."""
+
+    def __init__(self, algorithm: FedNTD) -> None:
+        super().__init__(algorithm)
+        self.config: FedNTDConfig = algorithm.config
+
+    def regularized(self, message: Message) -> bool:
+        return self.config.beta > 0
+
+    def objective(
+        self,
+        params: Tree,
+        out: torch.Tensor,
+        h: torch.Tensor | None,
+        batch: Batch,
+        carry: Carry,
+        shared: dict[str, Any],
+    ) -> torch.Tensor:
+        cfg, teacher = self.config, shared["message"]
+        z_global = teacher_logits(self.model, teacher["params"], teacher["buffers"], batch.x)
+        return self.data_loss(out, batch) + cfg.beta * ntd_loss(
+            out, z_global, batch.y, cfg.tau, batch.w
+        )

@@ -33,9 +33,15 @@ model. A client that never trained (a held-out new client) starts from the initi
 the cold-start evaluation then fine-tunes (the default ``new_client_model``). Bytes: uploads
 are the held classes' ids, prototypes and counts; downloads the known global prototypes and
 their ids; both much smaller than the model.
+
+The local step is a client program (:class:`FedProtoProgram`, algorithms/objective.py) that the
+sequential and the vmap backends both run; the prototype table is the round's shared input, the
+MSE and the hinge average over the real samples of a (padded) minibatch.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +59,12 @@ from fedloom.algorithms.base import (
     Weighting,
     weighting_field,
 )
+from fedloom.algorithms.objective import ObjectiveProgram
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree, clone
-from fedloom.solvers.objective_sgd import Batch, head_input, single_head
+from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.objective_sgd import single_head
+from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
 
 
 class FedProtoConfig(AlgorithmConfig):
@@ -92,10 +101,9 @@ def class_prototypes(
     sums = torch.zeros(num_classes, dim, dtype=torch.float64)
     counts = torch.bincount(y, minlength=num_classes)
     try:
-        with head_input(module.get_submodule(head)) as store:
-            for start in range(0, int(x.shape[0]), batch_size):
-                model.forward(params, buffers, x[start : start + batch_size])
-                sums.index_add_(0, y[start : start + batch_size], store["h"].to(torch.float64))
+        for start in range(0, int(x.shape[0]), batch_size):
+            _, h = model.forward_with_features(params, buffers, x[start : start + batch_size], head)
+            sums.index_add_(0, y[start : start + batch_size], h.to(torch.float64))
     finally:
         module.train()
     dtype = next(iter(params.values())).dtype
@@ -109,19 +117,22 @@ def prototype_loss(
     known: torch.Tensor,
     repel: float = 0.0,
     margin: float = 1.0,
+    w: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pull, push) of a minibatch: the MSE of h to its class's global prototype (0 for samples
-    whose class has none) and the hinge repel term (see the module doc; 0 if ``repel`` = 0)."""
+    whose class has none) and the hinge repel term (see the module doc; 0 if ``repel`` = 0),
+    averaged over the real samples (``w``: the sample weights of a padded batch, None: all)."""
     has = known[y].to(h.dtype)
     diff = (h - table[y]) * has[:, None]
-    pull = (diff**2).mean()
+    pull = weighted_mean((diff**2).mean(dim=-1), w)
     push = h.new_zeros(())
     if repel > 0:
         d = ((h[:, None, :] - table[None]) ** 2).mean(-1)  # (B, C) per-dimension sq. dist.
         own = d.gather(1, y[:, None])
-        others = known[None, :] & (torch.arange(table.shape[0])[None, :] != y[:, None])
+        classes = torch.arange(table.shape[0], device=y.device)
+        others = known[None, :] & (classes[None, :] != y[:, None])
         hinge = F.relu(margin + own - d) * others.to(h.dtype) * has[:, None]
-        push = hinge.sum(1).mean()
+        push = weighted_mean(hinge.sum(1), w)
     return pull, push
 
 
@@ -176,31 +187,16 @@ class FedProto(Algorithm):
         initial = server["initial"]
         return {"params": clone(initial["params"]), "buffers": clone(initial["buffers"])}
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
+    def make_program(self) -> ClientProgram:
+        return FedProtoProgram(self)
+
+    def local_finish(
+        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
-        assert state is not None
-        cfg, model, data = self.config, self.ctx.model, task.data
-        sent = message["protos"]
-        table = torch.zeros(self.num_classes, self.dim, dtype=sent["mean"].dtype)
-        table[sent["ids"]] = sent["mean"]
-        known = torch.zeros(self.num_classes, dtype=torch.bool)
-        known[sent["ids"]] = True
-        regularize = bool(known.any()) and (cfg.lam > 0 or cfg.repel > 0)
-
-        def objective(batch: Batch) -> torch.Tensor:
-            loss = model.loss_from_output(batch.out, batch.y)
-            if regularize:
-                assert batch.features is not None
-                pull, push = prototype_loss(
-                    batch.features, batch.y, table, known, cfg.repel, cfg.margin
-                )
-                loss = loss + cfg.lam * pull + cfg.repel * push
-            return loss
-
-        solved = self.solve_objective(message, state, task, objective, head=self.head)
+        """Upload the held classes' prototypes of the trained model, keep the model."""
+        data = task.data
         means, counts = class_prototypes(
-            model,
+            self.ctx.model,
             self.head,
             solved.params,
             solved.buffers,
@@ -226,3 +222,41 @@ class FedProto(Algorithm):
     ) -> tuple[Tree, Tree]:
         state = state if state is not None else self.init_client_state(server, task.client_id)
         return state["params"], state["buffers"]
+
+
+class FedProtoProgram(ObjectiveProgram):
+    """L = CE(f(x), y) + lam MSE(h(x), C_bar_y) + repel hinge, with the round's prototype table
+    (and the mask of the classes that have one) shared by every client."""
+
+    def __init__(self, algorithm: FedProto) -> None:
+        super().__init__(algorithm, head=algorithm.head)
+        self.config: FedProtoConfig = algorithm.config
+        self.num_classes, self.dim = algorithm.num_classes, algorithm.dim
+
+    def regularized(self, message: Message) -> bool:
+        cfg = self.config
+        return message["protos"]["ids"].numel() > 0 and (cfg.lam > 0 or cfg.repel > 0)
+
+    def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
+        sent = message["protos"]
+        table = torch.zeros(self.num_classes, self.dim, dtype=sent["mean"].dtype)
+        table[sent["ids"]] = sent["mean"]
+        known = torch.zeros(self.num_classes, dtype=torch.bool)
+        known[sent["ids"]] = True
+        return {**super().shared(message, task), "protos": table, "known": known}
+
+    def objective(
+        self,
+        params: Tree,
+        out: torch.Tensor,
+        h: torch.Tensor | None,
+        batch: Batch,
+        carry: Carry,
+        shared: dict[str, Any],
+    ) -> torch.Tensor:
+        cfg = self.config
+        assert h is not None
+        pull, push = prototype_loss(
+            h, batch.y, shared["protos"], shared["known"], cfg.repel, cfg.margin, batch.w
+        )
+        return self.data_loss(out, batch) + cfg.lam * pull + cfg.repel * push

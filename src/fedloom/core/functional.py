@@ -66,6 +66,17 @@ class FunctionalModel:
     def forward(self, params: Tree, buffers: Tree, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.module, (params, buffers), (x,))
 
+    def forward_with_features(
+        self, params: Tree, buffers: Tree, x: torch.Tensor, head: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, h): the model's output on ``x`` and the input h(x) of its submodule
+        ``head`` (the representation a linear head classifies). Pure like ``forward``: a
+        forward pre-hook captures h during the functional call, which works under ``vmap`` and
+        ``torch.func.grad`` (the captured tensor belongs to the same transform level)."""
+        with head_input(self.module.get_submodule(head)) as store:
+            out = functional_call(self.module, (params, buffers), (x,))
+        return out, store["h"]
+
     def loss_from_output(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.task == "classification":
             return F.cross_entropy(out, y)
@@ -138,6 +149,21 @@ class FunctionalModel:
                 correct += float((out.argmax(-1) == yb).sum())
         self.module.train()
         return loss_sum, correct, n
+
+
+@contextlib.contextmanager
+def head_input(head: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Inside the block, ``store['h']`` is the input of ``head``'s latest forward call."""
+    store: dict[str, torch.Tensor] = {}
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        store["h"] = args[0]
+
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        yield store
+    finally:
+        handle.remove()
 
 
 GradCorrection = Callable[[Tree], Tree | None]

@@ -1,29 +1,29 @@
 """Local SGD on a custom minibatch objective, optionally on a subset of the parameters.
 
 The shared solver (:func:`fedloom.solvers.local.local_sgd`) minimizes the plain loss plus a
-parameter-space correction; the algorithms of function-space regularization (FedProto, FedNTD,
-FedLC, FedGen), the decoupled ones that train part of the model at a time (FedRep's head then
-body phases) and the cold-start adaptation of a new client need the minibatch objective itself:
-the logits, the head's input features, the labels. This module runs those on the same lean
-flat-buffer trainer, one client at a time (the vectorized executor runs such algorithms'
-clients one by one: same numbers, no speed-up)::
+parameter-space correction; the cold-start adaptation of a new client and FedPer's fine-tuning
+of a subset of the parameters run here, on the same lean flat-buffer trainer, one client at a
+time::
 
     for each minibatch B of the plan:
         out, h = model(x_B), head input on x_B
         loss   = objective(Batch(step, x_B, y_B, out, h))      # default: the model's loss
         w[k]  <- w[k] - lr * d loss / d w[k]    for k in ``trainable`` (default: all)
+
+Training objectives of that kind (FedNTD, FedLC, FedGen, FedProto) are client programs instead,
+which both backends run: algorithms/objective.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fedloom.core.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel, head_input
 from fedloom.core.lean import LeanModule, backward
 from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
@@ -48,21 +48,6 @@ class Batch:
 BatchObjective = Callable[[Batch], torch.Tensor]
 StepCallback = Callable[[int, LeanModule], None]
 """Called after each step with the number of steps done and the trainer (for snapshots)."""
-
-
-@contextlib.contextmanager
-def head_input(head: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """Inside the block, ``store['h']`` is the input of ``head``'s latest forward call."""
-    store: dict[str, torch.Tensor] = {}
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        store["h"] = args[0]
-
-    handle = head.register_forward_pre_hook(hook)
-    try:
-        yield store
-    finally:
-        handle.remove()
 
 
 def single_head(model: FunctionalModel, algorithm: str) -> str:

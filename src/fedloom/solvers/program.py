@@ -53,7 +53,15 @@ class Batch:
 
     def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
         """The mean of ``per_sample`` over the real samples (0 for an all-padding batch)."""
-        return (per_sample * self.w).sum() / self.w.sum().clamp_min(1.0)
+        return weighted_mean(per_sample, self.w)
+
+
+def weighted_mean(per_sample: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """sum_i w_i v_i / sum_i w_i of one value per sample: the mean over the real samples of a
+    padded batch (0 if there are none); the plain mean when ``w`` is None."""
+    if w is None:
+        return per_sample.mean()
+    return (per_sample * w).sum() / w.sum().clamp_min(1.0)
 
 
 class Ops(Protocol):

@@ -1,0 +1,118 @@
+"""SGD on a custom per-minibatch objective, as one client program (solvers/program.py) that both
+backends run: the local step of the function-space regularizers FedNTD, FedLC, FedGen and
+FedProto, whose objectives see the logits and (FedProto, FedGen) the head's input features, not
+only the model's loss::
+
+    w <- local_start
+    for each minibatch B of client_plan:
+        out, h <- f(x_B; w), the input of the model's head on x_B     # h: when ``head`` is set
+        w      <- w - local_lr grad_w objective(w, out, h, B, carry, shared)
+    local_finish(w)
+
+It is the FedAvg family's :class:`SGDProgram` (plan, start, step size and finish from the
+algorithm's hooks) with its step replaced, so a subclass states only its objective and what it
+adds to the carry (per-client tensors: FedLC's class counts, FedGen's noise) or to the round's
+shared values (FedNTD's teacher, FedProto's prototype table). An objective is a pure function
+of tensors: it branches in Python on the config or on values fixed in ``init`` / ``shared``,
+never on tensor values; it averages per-sample terms with ``batch.mean`` (or
+:func:`fedloom.solvers.program.weighted_mean` with ``batch.w``), so the weight-0 samples the
+vmap backend pads minibatches with count for nothing; random draws come from the client's own
+stream in ``init``, never inside the objective (vmap would share them across clients).
+
+A round whose objective adds nothing to the model's loss (``regularized`` False: FedNTD's
+beta = 0, FedProto before any prototype exists, FedGen before its generator has trained) is
+plain SGD: the sequential backend runs it on the lean flat-buffer trainer, as FedAvg's, so the
+reductions to FedAvg and to local training hold bit for bit (losses included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedloom.algorithms.base import Algorithm, SGDProgram
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
+from fedloom.core.pytree import Tree
+from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.program import Batch, Carry, Ops
+from fedloom.solvers.steps import descend
+
+
+class ObjectiveProgram(SGDProgram):
+    """Plain SGD steps (no momentum, no gradient correction) on :meth:`objective`."""
+
+    head: str | None = None
+    """The model's head module whose input the objective sees as ``h`` (None: h is None)."""
+
+    def __init__(self, algorithm: Algorithm, head: str | None = None) -> None:
+        super().__init__(algorithm)
+        self.head = head
+        if self.momentum or self.corrected:
+            raise NotImplementedError(
+                f"{algorithm.name}: an objective program takes plain SGD steps (no "
+                "local_momentum, no local_correction)"
+            )
+
+    def regularized(self, message: Message) -> bool:
+        """Whether this round's objective differs from the model's loss (default: yes); decided
+        on the config and the message, the same for every client of the round."""
+        return True
+
+    def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
+        return {**super().shared(message, task), "regularized": self.regularized(message)}
+
+    def run_lean(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult | None:
+        return None if self.regularized(message) else self.lean_sgd(message, state, task)
+
+    def objective(
+        self,
+        params: Tree,
+        out: torch.Tensor,
+        h: torch.Tensor | None,
+        batch: Batch,
+        carry: Carry,
+        shared: dict[str, Any],
+    ) -> torch.Tensor:
+        """The minibatch objective at ``params``: ``out`` is the model's output on ``batch.x``,
+        ``h`` the head's input. Called only in rounds that are ``regularized``."""
+        raise NotImplementedError
+
+    def data_loss(self, out: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The model's loss (cross-entropy) averaged over the batch's real samples: the same
+        operations as ``FunctionalModel.weighted_loss``, so an objective that adds nothing to
+        it takes FedAvg's steps bit for bit."""
+        return batch.mean(self.model.per_sample_loss(out, batch.y))
+
+    def forward(
+        self, params: Tree, buffers: Tree, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.head is None:
+            return self.model.forward(params, buffers, x), None
+        return self.model.forward_with_features(params, buffers, x, self.head)
+
+    def step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        (batch,) = batches
+        params, buffers = carry["params"], carry["buffers"]
+
+        # the buffers go in as an argument: BatchNorm's forward updates them in place, which
+        # torch.func.grad refuses for a captured tensor
+        def loss(p: Tree, b: Tree) -> torch.Tensor:
+            if not shared["regularized"]:
+                return self.data_loss(self.model.forward(p, b, batch.x), batch)
+            out, h = self.forward(p, b, batch.x)
+            return self.objective(p, out, h, batch, carry, shared)
+
+        grads, value = ops.value_and_grad(loss, params, buffers)
+        return {**carry, "params": descend(params, grads, shared["lr"])}, {"loss": value}
+
+
+def model_result(task: ClientTask, solved: LocalSolution, weighting: str) -> ClientResult:
+    """FedAvg's answer: the local model as the upload, weighted n_k (``weighting: samples``) or
+    1 (``uniform``)."""
+    upload = {"params": solved.params, "buffers": solved.buffers}
+    return ClientResult(upload, Algorithm.upload_weight(task, weighting), solved.loss)
