@@ -126,6 +126,10 @@ class TrainConfig(StrictModel):
     straggler_mode: Literal["partial", "drop"] = "partial"
     """partial: a straggler does a uniform share 1..S of its S steps and is aggregated;
     drop: the server drops it (FedProx paper: FedAvg drops stragglers, FedProx keeps them)."""
+    nonfinite: Literal["error", "drop"] = "error"
+    """A client whose loss, upload or state is not finite (diverged): error: stop the run naming
+    the client, the round and what to lower; drop: leave it out of that round's aggregation
+    (its personalized state keeps its previous value) and count it (``dropped_nonfinite``)."""
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
