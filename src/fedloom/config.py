@@ -192,6 +192,12 @@ class AlertConfig(StrictModel):
     """Personalized accuracy P10 below this (the seed's 'P10 < 0.65'); null: off."""
     update_norm_growth: float = Field(default=10.0, gt=1.0)
     """Median update norm above this multiple of its first value (exploding updates)."""
+    update_norm_growth_client: float = Field(default=10.0, gt=1.0)
+    """A client's update norm above this multiple of its own first recorded value, or not
+    finite (that client diverging)."""
+    client_accuracy_drop: float | None = Field(default=0.5, gt=0.0, lt=1.0)
+    """A client's personalized accuracy below this fraction of its best earlier value
+    (collapse: e.g. 0.95 -> 0.0 while the mean looks fine); null: off."""
     update_norm_decay: float = Field(default=1e-3, gt=0.0, lt=1.0)
     """Median update norm below this fraction of its first value (vanishing updates)."""
     zeta_jump: float = Field(default=2.0, gt=0.0)
