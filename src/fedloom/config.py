@@ -126,6 +126,10 @@ class TrainConfig(StrictModel):
     straggler_mode: Literal["partial", "drop"] = "partial"
     """partial: a straggler does a uniform share 1..S of its S steps and is aggregated;
     drop: the server drops it (FedProx paper: FedAvg drops stragglers, FedProx keeps them)."""
+    nonfinite: Literal["error", "drop"] = "error"
+    """A client whose loss, upload or state is not finite (diverged): error: stop the run naming
+    the client, the round and what to lower; drop: leave it out of that round's aggregation
+    (its personalized state keeps its previous value) and count it (``dropped_nonfinite``)."""
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
@@ -188,6 +192,12 @@ class AlertConfig(StrictModel):
     """Personalized accuracy P10 below this (the seed's 'P10 < 0.65'); null: off."""
     update_norm_growth: float = Field(default=10.0, gt=1.0)
     """Median update norm above this multiple of its first value (exploding updates)."""
+    update_norm_growth_client: float = Field(default=10.0, gt=1.0)
+    """A client's update norm above this multiple of its own first recorded value, or not
+    finite (that client diverging)."""
+    client_accuracy_drop: float | None = Field(default=0.5, gt=0.0, lt=1.0)
+    """A client's personalized accuracy below this fraction of its best earlier value
+    (collapse: e.g. 0.95 -> 0.0 while the mean looks fine); null: off."""
     update_norm_decay: float = Field(default=1e-3, gt=0.0, lt=1.0)
     """Median update norm below this fraction of its first value (vanishing updates)."""
     zeta_jump: float = Field(default=2.0, gt=0.0)
@@ -337,35 +347,74 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return raw or {}
 
 
+_SWITCHES: dict[tuple[str, ...], str] = {
+    ("algorithm",): "name",
+    ("data", "partition"): "kind",
+}
+"""Sections whose keys belong to one choice (the algorithm, the partition kind): a ``--set``
+naming another choice than the file's starts a fresh section."""
+
+_ALTERNATIVES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("train", "local_epochs"): ("train", "local_steps"),
+    ("train", "local_steps"): ("train", "local_epochs"),
+}
+"""Keys that exclude each other: a ``--set`` of one replaces the file's other."""
+
+
+def _parse_override(item: str) -> tuple[tuple[str, ...], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key.path=value")
+    path, text = item.split("=", 1)
+    keys = tuple(k for k in path.strip().split(".") if k)
+    if not keys:
+        raise ConfigError(f"--set {item!r}: empty key")
+    return keys, yaml.safe_load(text)
+
+
+def _find_section(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """The mapping at ``keys``, or None if a part of the path is absent."""
+    node: Any = raw
+    for key in keys:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def _section(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The mapping at ``keys``, creating absent (or null) sections on the way."""
+    node = raw
+    for i, key in enumerate(keys):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {'.'.join(keys[: i + 1])}: '{key}' is not a section")
+        node = child
+    return node
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``--set key.path=value`` overrides (values parsed as YAML scalars/lists).
 
-    ``--set algorithm.name=X`` naming another algorithm than the file's starts a fresh
-    ``algorithm`` section (the old algorithm's hyperparameters would not apply to X); it is
-    applied first, so the other ``--set algorithm.*`` keys land in the new section."""
+    ``--set algorithm.name=X`` (or ``data.partition.kind=X``) naming another choice than the
+    file's starts a fresh section (the old choice's keys would not apply to X); it is applied
+    first, so the other ``--set`` keys of that section land in the new one. Setting one of
+    ``train.local_epochs`` / ``train.local_steps`` removes the file's other (both set by
+    ``--set`` stays an error)."""
     raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
-    renames = [o for o in overrides if o.split("=", 1)[0].strip() == "algorithm.name"]
-    for item in renames:
-        name = yaml.safe_load(item.split("=", 1)[1])
-        section = raw.get("algorithm")
-        if not isinstance(section, dict) or section.get("name") != name:
-            raw["algorithm"] = {"name": name}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key.path=value")
-        path, text = item.split("=", 1)
-        keys = [k for k in path.strip().split(".") if k]
-        if not keys:
-            raise ConfigError(f"--set {item!r}: empty key")
-        node = raw
-        for key in keys[:-1]:
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {path}: '{key}' is not a section")
-            node = child
-        node[keys[-1]] = yaml.safe_load(text)
+    parsed = [_parse_override(item) for item in overrides]
+    for keys, value in parsed:
+        if keys[:-1] in _SWITCHES and keys[-1] == _SWITCHES[keys[:-1]]:
+            section = _find_section(raw, keys[:-1])
+            if section is None or section.get(keys[-1]) != value:
+                _section(raw, keys[:-2])[keys[-2]] = {keys[-1]: value}
+    set_paths = {keys for keys, _ in parsed}
+    for keys, value in parsed:
+        other = _ALTERNATIVES.get(keys)
+        if other is not None and value is not None and other not in set_paths:
+            section = _find_section(raw, other[:-1])
+            if section is not None:
+                section.pop(other[-1], None)
+        _section(raw, keys[:-1])[keys[-1]] = value
     return raw
 
 

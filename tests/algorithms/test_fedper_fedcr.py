@@ -103,7 +103,7 @@ def test_fedper_new_client_finetunes_its_head_only():
         ({"name": "fedper", "weighting": "size"}, "algorithm.weighting"),
         ({"name": "fedcr", "beta": -0.1}, "algorithm.beta"),
         ({"name": "fedcr", "num_samples": 0}, "algorithm.num_samples"),
-        ({"name": "fedcr", "deterministic": True}, "algorithm.beta"),  # beta 1e-3 > 0
+        ({"name": "fedcr", "deterministic": True, "beta": 1e-3}, "algorithm.beta"),  # KL = inf
         ({"name": "fedcr", "finetune_lr": 0}, "algorithm.finetune_lr"),
     ],
 )
@@ -220,11 +220,26 @@ def test_fedcr_kl_is_the_analytic_kl_from_the_class_posterior_to_the_sample():
 
 
 # -- FedCR: the protocol -------------------------------------------------------------------
-@pytest.mark.parametrize("weighting", ["samples", "uniform"])
-def test_fedcr_with_beta_zero_and_deterministic_features_is_fedper(weighting):
+def test_fedcr_deterministic_features_mean_beta_zero():
+    """Sigma(x) = 0 has no KL term: beta is 0 there (not the stochastic default 1e-3), the
+    resolved config says so and parses again; only an explicit beta > 0 contradicts it."""
+    from fedloom.algorithms import parse_algorithm_config
+
+    assert parse_algorithm_config({"name": "fedcr"}).beta == 1e-3
+    config = parse_algorithm_config({"name": "fedcr", "deterministic": True})
+    assert config.beta == 0.0
+    assert parse_algorithm_config(config.model_dump()) == config
+    with pytest.raises(ConfigError, match=r"algorithm\.beta: deterministic features"):
+        parse_algorithm_config({"name": "fedcr", "deterministic": True, "beta": 1e-4})
+
+
+@pytest.mark.parametrize(
+    ("weighting", "beta"), [("samples", {"beta": 0.0}), ("uniform", {"beta": 0.0}), ("uniform", {})]
+)
+def test_fedcr_with_beta_zero_and_deterministic_features_is_fedper(weighting, beta):
     base = {"weighting": weighting, "finetune_steps": 3}
     fedper = run({"name": "fedper", **base})
-    fedcr = run({"name": "fedcr", "deterministic": True, "beta": 0.0, **base})
+    fedcr = run({"name": "fedcr", "deterministic": True, **beta, **base})
     assert fedper.client_params.keys() == fedcr.client_params.keys()
     for c, params in fedper.client_params.items():
         for key, value in params.items():
@@ -270,7 +285,9 @@ def test_fedcr_round_trains_the_shared_parts_and_reports_the_classes_it_saw():
         state = algo.init_client_state(server, client)
         results.append(algo.client_update(message, state, task))
         epoch = math.ceil(task_data.num_train / 16)
-        windows.append(torch.cat(plan[len(plan) - epoch :]))
+        assert epoch < 20 < 2 * epoch  # a trailing partial epoch
+        windows.append(torch.cat(plan[:epoch]))  # the last full epoch: each sample once
+        assert sorted(windows[-1].tolist()) == list(range(task_data.num_train))
         assert results[-1].state["steps"] == 20
         # the head is personal: in the state, not in the upload
         assert sorted(results[-1].state["params"]) == sorted(HEAD)
@@ -288,6 +305,43 @@ def test_fedcr_round_trains_the_shared_parts_and_reports_the_classes_it_saw():
         assert changed == (c in held), c
     # PoE sharpens: every held class's variance is below the prior's 1
     assert (new["classes"]["var"][sorted(held)] < 1).all()
+
+
+@pytest.mark.parametrize(("epochs", "extra"), [(0, 5), (1, 0), (1, 1), (1, 7), (2, 0), (2, 11)])
+def test_fedcr_statistics_come_from_the_last_full_local_epoch(epochs, extra):
+    """The class statistics (21) of a client doing ``epochs`` full epochs and ``extra`` steps
+    are, bit for bit, those of the same client stopping after its last full epoch: a trailing
+    partial epoch adds nothing (the old window, the last epoch's worth of steps, spanned two
+    epochs: some samples twice, others never). Fewer steps than an epoch: all of them."""
+    cfg = parse_config(digits_config({"name": "fedcr"}))
+    data = load_dataset(cfg.data, cfg.seed)
+    ctx = make_ctx()
+    ctx.batch_size, ctx.make_plan = 16, PlanMaker(0, 16)
+    ctx.population = {0: data.clients[0].num_train}
+    algo = build_algorithm({"name": "fedcr", "beta": 0.01}, ctx)
+    server = algo.init_server_state(*ctx.model.initial_state(0))
+    message, client = algo.server_message(server), data.clients[0]
+    epoch = math.ceil(client.num_train / 16)
+    assert epoch > 11
+    steps = epochs * epoch + extra
+
+    def classes(num_steps: int) -> dict[str, torch.Tensor]:
+        plan = ctx.make_plan(client, num_steps, "batches", 1, 0)
+        task = ClientTask(0, client, plan, 0.05, 1)
+        result = algo.client_update(message, algo.init_client_state(server, 0), task)
+        return result.upload["classes"]
+
+    window = algo.statistics_steps(steps, client.num_train)
+    if epochs:
+        assert window == range((epochs - 1) * epoch, epochs * epoch)
+        plan = ctx.make_plan(client, steps, "batches", 1, 0)
+        covered = torch.cat([plan[s] for s in window]).sort().values
+        assert torch.equal(covered, torch.arange(client.num_train))  # each sample once
+    else:
+        assert window == range(steps)
+    got, expected = classes(steps), classes(epochs * epoch or steps)
+    for key in ("ids", "mean", "var"):
+        assert torch.equal(got[key], expected[key]), key
 
 
 def test_fedcr_killed_and_resumed_equals_uninterrupted(tmp_path):

@@ -149,6 +149,38 @@ def test_fednova_momentum_solver_is_near_the_correct_optimum(data):
     assert distance(nova, correct) < 0.3 * distance(fedavg, correct)
 
 
+@pytest.mark.parametrize("solver", ["sgd", "proximal"])
+def test_fednova_client_without_samples_contributes_nothing(data, solver):
+    """A sampled client with no training samples completes tau = 0 steps (||a||_1 = 0): its
+    direction 0/0 was NaN and poisoned the model. It contributes nothing (FedNova paper: p_i
+    and tau_eff over the clients that progressed): the run equals the run without it, bitwise,
+    at the closed-form fixed point of the others (4e-7 measured)."""
+    from fedloom.data import FederatedData
+    from fedloom.data.federated import ClientData
+
+    lr = 0.1 / max_curvature(data)
+    mu = 0.5 if solver == "proximal" else 0.0
+    first = data.clients[0]
+    empty = ClientData(first.x_train[:0], first.y_train[:0], first.x_test, first.y_test)
+    with_empty = FederatedData(
+        name=data.name,
+        clients=[*data.clients, empty],
+        task=data.task,
+        input_shape=data.input_shape,
+        num_outputs=data.num_outputs,
+        extras=data.extras,
+    )
+    algorithm = {"name": "fednova", "local_solver": solver, **({"mu": mu} if mu else {})}
+    work = {"kind": "per_client", "values": UNEQUAL}
+    alone = run(data, algorithm, rounds=300, lr=lr, local_steps=work)
+    work = {"kind": "per_client", "values": [*UNEQUAL, 3]}  # 3 asked, 0 done: no samples
+    nova = run(with_empty, algorithm, rounds=300, lr=lr, local_steps=work)
+    assert torch.isfinite(as_vector(nova.global_params)).all()
+    assert torch.equal(as_vector(nova.global_params), as_vector(alone.global_params))
+    fixed = fedavg_fixed_point(data, lr, UNEQUAL, mu=mu, scales=nova_scales(solver, lr, mu))
+    assert distance(nova, fixed) < 1e-5
+
+
 def test_fednova_with_equal_steps_is_fedavg(data, lr):
     fedavg = run(data, {"name": "fedavg"}, rounds=10, lr=lr, local_steps=5)
     nova = run(data, {"name": "fednova"}, rounds=10, lr=lr, local_steps=5)

@@ -169,6 +169,24 @@ def test_pfedmac_sparsity_grows_with_gamma_and_is_reported(servers):
     assert 0.1 < fractions[1] < fractions[2]
 
 
+def test_pfedmac_sparsity_state_is_finite_and_marks_who_reported(servers):
+    """Partial participation (2 of 6 clients a round, 1 round): the per-client sparsity of the
+    server state (checkpointed) was NaN for the clients that had not trained; now 0 with a
+    mask of the clients that reported, and the summary's mean is over those only."""
+    config = digits_config({"name": "pfedmac"}, rounds=1, clients_per_round=2)
+    result = fedloom.run(config, write=False, progress=False)
+    algorithm, server = servers[-1]
+    assert torch.isfinite(server["sparsity"]).all()
+    reported = server["sparsity_reported"]
+    assert int(reported.sum()) == 2
+    assert (server["sparsity"][~reported] == 0).all()
+    trained = [c for c in range(6) if bool(reported[c])]
+    expected = np.mean([zero_fraction(result.client_params[c]) for c in trained])
+    assert result.summary["extras"]["personal_sparsity_mean"] == pytest.approx(expected, abs=1e-12)
+    fresh = algorithm.init_server_state(*algorithm.ctx.model.initial_state(0))
+    assert algorithm.summary_extras(fresh)["personal_sparsity_mean"] is None
+
+
 # -- pFedMac: three tiers ---------------------------------------------------------------------
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fedloom.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -124,6 +126,87 @@ def test_set_algorithm_name_starts_a_fresh_algorithm_section():
     # the same name keeps the file's keys
     same = apply_overrides(raw, ["algorithm.name=fedavg_ft", "algorithm.finetune_steps=3"])
     assert same["algorithm"] == {"name": "fedavg_ft", "finetune_steps": 3}
+
+
+def test_set_partition_kind_starts_a_fresh_partition_section():
+    from fedloom.config import apply_overrides
+
+    raw = {"data": {"name": "mnist", "partition": {"kind": "dirichlet", "alpha": 0.5}}}
+    assert apply_overrides(raw, ["data.partition.kind=iid"])["data"]["partition"] == {"kind": "iid"}
+    # later keys land in the new section, whatever their order on the command line
+    out = apply_overrides(raw, ["data.partition.shards_per_client=3", "data.partition.kind=shards"])
+    assert out["data"]["partition"] == {"kind": "shards", "shards_per_client": 3}
+    # the same kind keeps the file's keys; the input is not modified
+    same = apply_overrides(raw, ["data.partition.kind=dirichlet", "data.partition.min_size=2"])
+    assert same["data"]["partition"] == {"kind": "dirichlet", "alpha": 0.5, "min_size": 2}
+    assert raw["data"]["partition"] == {"kind": "dirichlet", "alpha": 0.5}
+    # no partition in the file (or null): the kind alone
+    for data in ({"name": "mnist"}, {"name": "mnist", "partition": None}):
+        out = apply_overrides({"data": data}, ["data.partition.kind=iid"])
+        assert out["data"]["partition"] == {"kind": "iid"}
+
+
+def test_set_local_steps_replaces_local_epochs_and_vice_versa():
+    from fedloom.config import apply_overrides, parse_config
+
+    raw = {"train": {"rounds": 2, "local_epochs": 1}}
+    steps = apply_overrides(raw, ["train.local_steps=5"])
+    assert steps["train"] == {"rounds": 2, "local_steps": 5}
+    cfg = parse_config(steps)
+    assert (cfg.train.local_steps, cfg.train.local_epochs) == (5, None)
+    epochs = apply_overrides({"train": {"local_steps": 7}}, ["train.local_epochs=2"])
+    assert epochs["train"] == {"local_epochs": 2}
+    # a distribution replaces the other key too
+    dist = apply_overrides(raw, ["train.local_steps={kind: uniform, low: 1, high: 3}"])
+    assert parse_config(dist).train.local_epochs is None
+    # unsetting one (null) does not remove the other
+    assert apply_overrides({"train": {"local_steps": 7}}, ["train.local_epochs=null"])["train"] == {
+        "local_steps": 7,
+        "local_epochs": None,
+    }
+    # both on the command line is still the contradiction it was
+    both = apply_overrides(raw, ["train.local_steps=5", "train.local_epochs=2"])
+    with pytest.raises(ConfigError, match=r"local_epochs and train\.local_steps"):
+        parse_config(both)
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_accept_partition_and_budget_overrides(path):
+    """Every example resolves (config and data section, no data loaded) with the partition
+    kind switched to one its dataset allows that has no keys of the file's kind, and with
+    local steps instead of its local work."""
+    from fedloom.config import apply_overrides, load_yaml, parse_config
+    from fedloom.data.load import resolve_data_config
+    from fedloom.data.spec import DATASETS
+
+    raw = load_yaml(path)
+    spec = DATASETS.get(raw["data"]["name"])
+    kind = "iid" if "iid" in spec.partitions else spec.default_partition
+    cfg = parse_config(apply_overrides(raw, [f"data.partition.kind={kind}", "train.local_steps=5"]))
+    assert resolve_data_config(cfg.data)["partition"]["kind"] == kind
+    assert (cfg.train.local_steps, cfg.train.local_epochs) == (5, None)
+
+
+def test_cli_switches_partition_kind_and_local_budget_of_the_default_config(tmp_path):
+    """The default experiment (dirichlet alpha, local_epochs) with --set partition kind iid and
+    local steps: it runs, and the run directory's config has the new kind and budget only."""
+    out = tmp_path / "run"
+    proc = fedloom(
+        "run",
+        *("--set", "data.partition.kind=iid", "--set", "train.local_steps=1"),
+        *("--set", "train.rounds=1", "--set", "data.num_clients=6"),
+        *("--set", "train.clients_per_round=2", "--set", "model.name=logreg"),
+        *("--set", "eval.adaptation_steps=[0]", "--set", "checkpoint.every=null"),
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["data"]["partition"] == {"kind": "iid"}
+    assert resolved["train"]["local_steps"] == 1 and resolved["train"]["local_epochs"] is None
 
 
 def test_existing_output_directory_is_never_overwritten(tmp_path):

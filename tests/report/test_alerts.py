@@ -108,3 +108,52 @@ def test_privacy_panel_only_when_a_mechanism_reports_epsilon(tmp_path):
         row["privacy"] = {"epsilon": 1.0 + i, "delta": 1e-5}
     html = write_report(make_run_dir(tmp_path / "dp", rows)).read_text()
     assert 'id="fig-privacy"' in html
+
+
+def test_a_diverging_client_update_norm(tmp_path):
+    """One client's own update norm grows 20x (the median does not move): fires at that
+    evaluation, naming it; a NaN norm fires too; the threshold is monitor.alerts'."""
+    rows = make_rows(6)
+    first = rows[0]["monitor"]["client_update_norm"]["3"]
+    rows[3]["monitor"]["client_update_norm"]["3"] = 20 * first
+    rows[4]["monitor"]["client_update_norm"]["5"] = float("nan")
+    run = load_run(make_run_dir(tmp_path / "run", rows))
+    alerts = [a for a in evaluate_alerts(run) if a.rule == "client_update_norm_exploding"]
+    assert [a.round for a in alerts] == [20.0, 25.0]
+    assert "client 3 (" in alerts[0].message and "client 5 (nan" in alerts[1].message
+    assert "update_norm_exploding" not in alerts_of(tmp_path / "b", rows)
+    relaxed = with_alerts(update_norm_growth_client=30.0)
+    assert alerts_of(tmp_path / "c", rows, config=relaxed)["client_update_norm_exploding"] == [
+        25.0
+    ]
+
+
+def test_a_client_whose_personalized_accuracy_collapses(tmp_path):
+    """The case of pFedMac at lam 0.1 and one local epoch: one client at 0.0 while the mean
+    stays high. Fires at the collapse, names the client (summary's ids), once per client."""
+    rows = make_rows(6)
+    for row in rows[2:]:
+        row["client_accuracy"][7] = 0.0
+    rows[4]["client_accuracy"][2] *= 0.3
+    run = load_run(make_run_dir(tmp_path / "run", rows))
+    alerts = [a for a in evaluate_alerts(run) if a.rule == "client_accuracy_collapse"]
+    assert [a.round for a in alerts] == [15.0, 25.0]
+    assert "client 7 (0.0%" in alerts[0].message and "client 2 (" in alerts[1].message
+    assert rows[2]["personalized"]["accuracy_mean"] > 0.75  # the mean hides it
+    # a 20% dip is not a collapse; off with null
+    rows = make_rows(6)
+    rows[3]["client_accuracy"][1] *= 0.8
+    assert "client_accuracy_collapse" not in alerts_of(tmp_path / "dip", rows)
+    rows[3]["client_accuracy"][1] = 0.0
+    off = with_alerts(client_accuracy_drop=None)
+    assert "client_accuracy_collapse" not in alerts_of(tmp_path / "off", rows, config=off)
+
+
+def test_dropped_nonfinite_clients(tmp_path):
+    rows = make_rows(5)
+    for row, count in zip(rows, [0, 0, 1, 1, 3], strict=True):
+        row["dropped_nonfinite"] = count
+    run = load_run(make_run_dir(tmp_path / "run", rows))
+    (alert,) = [a for a in evaluate_alerts(run) if a.rule == "nonfinite_dropped"]
+    assert alert.round == 15.0 and "3 client update(s)" in alert.message
+    assert "by round 25" in alert.message

@@ -39,9 +39,13 @@ speed-up). At inference a client uses head(mu(x)): for a linear head this is exa
 expectation E_eps[head(z)] of the logits the paper's code averages over ``num_avg`` draws.
 
 Local class statistics (21), the geometric-mean product of experts of the N_i^c samples of
-class c seen by the forward passes of the client's last local epoch (its last ceil(n_i / B)
-local steps, all of them when fewer; B = ``train.batch_size``). With mu_n, Lambda_n =
-diag(1 / sigma_n^2) of sample n::
+class c seen by the forward passes of the client's last complete local epoch (the seed: "taken
+from the latest forward passes of local training"; the paper's code: the last epoch). With
+E = ceil(n_i / B) steps an epoch (B = ``train.batch_size``) and K local steps, that is steps
+(k-1) E .. k E - 1 for k = floor(K / E) full epochs, so every training sample enters exactly
+once; the passes of a trailing partial epoch are left out (the last E steps would span two
+epochs, counting some samples twice and missing others). With K < E, all K steps (each sample
+at most once). With mu_n, Lambda_n = diag(1 / sigma_n^2) of sample n::
 
     prod_n N(z; mu_n, Lambda_n^-1)^(1/N)  ∝  exp(-1/2 sum_n (1/N) (z - mu_n)^T Lambda_n (z - mu_n))
                                           ∝  N(z; mu_i^c, (Lambda_i^c)^-1)   (completing the square)
@@ -63,8 +67,9 @@ branch are averaged with weights 1/K (``weighting: uniform``: the pseudocode's p
 P_t, the default) or n_k / n (``samples``).
 
 ``deterministic: true`` drops the variance branch (Sigma(x) = 0, z = mu) and the class
-statistics: the KL of (23) is then infinite, so it requires beta = 0, and FedCR is FedPer (the
-seed's remark; a test checks it on every client's deployed model).
+statistics: the KL of (23) is then infinite, so beta is 0 (its default there; a beta > 0 with it
+is a config error), and FedCR is FedPer (the seed's remark after (23): beta = 0 and
+Sigma(x) = 0 give FedPer; a test checks it on every client's deployed model).
 
 Communication: down, body + variance branch + every class's (mu^c, diag Sigma^c); up, body +
 variance branch + the client's classes' (mu_i^c, diag Sigma_i^c) and their int64 ids. There is
@@ -88,7 +93,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
 from fedloom.algorithms.base import (
@@ -107,6 +112,9 @@ from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.solvers.objective_sgd import head_input
 
+DEFAULT_BETA = 0.001
+"""beta of the stochastic representation (the paper's 1e-3)."""
+
 MIN_SIGMA = 1e-8
 """sigma is clamped here before its log (the paper's code clamps at the same value)."""
 
@@ -116,10 +124,12 @@ class FedCRConfig(FedPerConfig):
         "uniform", "body averaging weights (pseudocode: uniform)"
     )
     deterministic: bool = Field(
-        default=False, description="Sigma(x) = 0: z = mu, no variance branch (needs beta: 0)"
+        default=False, description="Sigma(x) = 0: z = mu, no variance branch (beta is then 0)"
     )
     beta: float = Field(
-        default=0.001, ge=0.0, description="CMI regularization weight of (23) (paper: 1e-3, 1e-4)"
+        default=DEFAULT_BETA,
+        ge=0.0,
+        description="CMI regularization weight of (23) (paper: 1e-3, 1e-4; 0 if deterministic)",
     )
     num_samples: int = Field(
         default=15, ge=1, description="draws of z per sample in the loss (paper: 15)"
@@ -137,6 +147,13 @@ class FedCRConfig(FedPerConfig):
                 "use beta: 0 with deterministic: true"
             )
         return beta
+
+    @model_validator(mode="after")
+    def _no_kl_without_variance(self) -> FedCRConfig:
+        """Deterministic features have no KL term: beta defaults to 0 there, not 1e-3."""
+        if self.deterministic and "beta" not in self.model_fields_set:
+            object.__setattr__(self, "beta", 0.0)
+        return self
 
 
 def gaussian_kl(
@@ -252,6 +269,13 @@ class FedCR(FedPer):
         b = self.ctx.batch_size
         return 1 if b is None or b >= num_train else math.ceil(num_train / b)
 
+    def statistics_steps(self, num_steps: int, num_train: int) -> range:
+        """The local steps whose forward passes give the class statistics (21): the last
+        complete epoch of the ``num_steps`` (all of them when fewer than an epoch)."""
+        epoch = self.epoch_steps(num_train)
+        full = num_steps // epoch
+        return range(num_steps) if full == 0 else range((full - 1) * epoch, full * epoch)
+
     def local_objective(
         self,
         h: torch.Tensor,
@@ -295,7 +319,7 @@ class FedCR(FedPer):
             stats = ClassStatistics(self.num_classes, self.dim)
             eps_stream = generator(self.ctx.seed, "fedcr", task.round, task.client_id)
         plan, lr = self.client_plan(task), self.local_lr(task)
-        window = len(plan) - self.epoch_steps(data.num_train)
+        window = self.statistics_steps(len(plan), data.num_train)
         total = 0.0
         with (
             model.random_stream(self.ctx.seed, task.round, task.client_id),
@@ -318,7 +342,7 @@ class FedCR(FedPer):
                         assert v.grad is not None
                         v.sub_(v.grad, alpha=lr)
                         v.grad = None
-                    if self.stochastic and step >= window:
+                    if self.stochastic and step in window:
                         stats.add(h.detach(), s2.detach(), yb)
                 total += float(loss.detach())
         new_params, new_buffers = lean.params(), lean.buffers_copy()

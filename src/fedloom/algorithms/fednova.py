@@ -19,6 +19,10 @@ three local solvers of the paper (section 4 and appendix):
 - proximal:  FedProx's mu, a_ik = (1 - eta mu)^(tau-1-k)
              ||a||_1 = [1 - (1 - eta mu)^tau] / (eta mu)
 tau is what the client completed, so stragglers doing partial work are normalized correctly.
+A client that completed no step (no training samples: tau_i = 0, ||a_i||_1 = 0) made no
+progress: its direction is undefined (0/0), so it uploads a zero direction and the server
+leaves it out of p_i and tau_eff (the aggregate of the others; the server keeps its state if
+no sampled client progressed).
 """
 
 from __future__ import annotations
@@ -98,7 +102,10 @@ class FedNova(Algorithm):
         cfg = self.config
         norm = normalizer(cfg.local_solver, solved.steps, solved.lr, cfg.rho or 0.0, cfg.mu or 0.0)
         x = message["params"]
-        direction = {k: (x[k] - solved.params[k]) / norm for k in x}
+        if norm > 0.0:
+            direction = {k: (x[k] - solved.params[k]) / norm for k in x}
+        else:  # tau_i = 0: no progress, nothing to normalize
+            direction = {k: torch.zeros_like(v) for k, v in x.items()}
         upload = {
             "direction": direction,
             "norm": {"a": torch.tensor(norm, dtype=torch.float64)},
@@ -107,6 +114,9 @@ class FedNova(Algorithm):
         return ClientResult(upload, task.data.num_train, solved.loss)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
+        results = [r for r in results if float(r.upload["norm"]["a"]) > 0.0]
+        if not results:
+            return server
         weights = [r.weight for r in results]
         total = sum(weights)
         tau_eff = sum(

@@ -59,8 +59,11 @@ lam = 0.1 because larger values make the norm of omega grow without bound on cro
 
 The personalized model deployed by client k is its last omega_k (its state); a client that never
 trained deploys the current global model. Each client reports the fraction of exactly-zero
-weights of its omega_k (``ClientResult.info['sparsity']``); the server keeps the latest value per
-client and ``summary_extras`` reports their mean.
+weights of its omega_k (``ClientResult.info['sparsity']``; 0 without the l1 term, whose soft
+threshold is what makes weights exactly zero); the server keeps the latest value per client
+(``sparsity``, 0 until the client reports, with ``sparsity_reported`` marking who has: no NaN
+in the state or its checkpoints) and ``summary_extras`` reports the mean over the clients that
+reported (None before any did).
 """
 
 from __future__ import annotations
@@ -178,7 +181,8 @@ class PFedMac(Algorithm):
         return {
             "params": params,
             "buffers": buffers,
-            "sparsity": torch.full((self.ctx.num_clients,), float("nan"), dtype=torch.float64),
+            "sparsity": torch.zeros(self.ctx.num_clients, dtype=torch.float64),
+            "sparsity_reported": torch.zeros(self.ctx.num_clients, dtype=torch.bool),
             "hub_uploads": torch.zeros((), dtype=torch.int64),
         }
 
@@ -192,13 +196,14 @@ class PFedMac(Algorithm):
             mean, hubs = self.hierarchical_mean(results, ids, weights)
             hub_uploads = hub_uploads + hubs
         beta = self.config.beta
-        sparsity = server["sparsity"].clone()
+        sparsity, reported = server["sparsity"].clone(), server["sparsity_reported"].clone()
         for cid, r in zip(ids, results, strict=True):
-            sparsity[cid] = r.info["sparsity"]
+            sparsity[cid], reported[cid] = r.info["sparsity"], True
         return {
             "params": add(scale(server["params"], 1.0 - beta), mean["params"], alpha=beta),
             "buffers": mean["buffers"] if server["buffers"] else server["buffers"],
             "sparsity": sparsity,
+            "sparsity_reported": reported,
             "hub_uploads": hub_uploads,
         }
 
@@ -228,7 +233,7 @@ class PFedMac(Algorithm):
 
     def summary_extras(self, server: State) -> dict:
         """What the run summary should add for pFedMac (an engine hook; see the report)."""
-        sparsity = server["sparsity"][~torch.isnan(server["sparsity"])]
+        sparsity = server["sparsity"][server["sparsity_reported"]]
         extras: dict = {
             "personal_sparsity_mean": float(sparsity.mean()) if sparsity.numel() else None
         }

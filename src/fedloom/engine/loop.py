@@ -35,6 +35,7 @@ from fedloom.engine.monitoring import (
     label_kl,
     update_statistics,
 )
+from fedloom.engine.nonfinite import screen
 from fedloom.engine.progress import RoundProgress
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import sample_clients
@@ -354,6 +355,7 @@ class Engine:
                         "train_loss": st["train_loss"],
                         "participants": st["participants"],
                         "reported": st["reported"],
+                        "dropped_nonfinite": st.get("dropped_nonfinite", 0),
                         **({"client_info": st["client_info"]} if st.get("client_info") else {}),
                         **row,
                         "communication": {
@@ -431,6 +433,9 @@ class Engine:
         results: list[ClientResult] = self.executor.run_round(
             self.algorithm, message, tasks, [states.get(t.client_id) for t in tasks]
         )
+        screened = screen(tasks, results, round, self.algorithm.config.model_dump(), cfg.train)
+        tasks, results = screened.tasks, screened.results
+        st["dropped_nonfinite"] = st.get("dropped_nonfinite", 0) + len(screened.dropped)
         for task, result in zip(tasks, results, strict=True):
             for transform in self.upload_transforms:
                 result.upload = transform(result.upload, task.client_id, round)
@@ -482,6 +487,7 @@ class Engine:
             },
             "wall_seconds": wall,
             "seconds_per_round": wall / cfg.train.rounds,
+            "dropped_nonfinite": st.get("dropped_nonfinite", 0),
         }
         if last.get("new_clients"):
             summary["final"]["new_clients"] = last["new_clients"]

@@ -6,6 +6,9 @@ files: each alert names its rule, the round it fired and what was seen.
 | loss_plateau | the loss (global, else training) has no new minimum for ``loss_patience`` evaluations in a row (seed: 连续 5 轮 Loss 不降) |
 | update_norm_exploding | the median client update norm exceeds ``update_norm_growth`` x its first value, or is not finite (梯度爆炸) |
 | update_norm_vanishing | the median client update norm falls below ``update_norm_decay`` x its first value (梯度消失) |
+| client_update_norm_exploding | a client's update norm exceeds ``update_norm_growth_client`` x its own first recorded value, or is not finite (one client diverging) |
+| client_accuracy_collapse | a client's personalized accuracy falls below ``client_accuracy_drop`` x its best earlier value (e.g. to near 0) |
+| nonfinite_dropped | clients whose loss or model was not finite were left out of rounds (``train.nonfinite: drop``) |
 | p10_low | the latest personalized accuracy P10 is below ``p10_min`` (P10 < 0.65) |
 | zeta_jump | zeta^2 rises by more than ``zeta_jump`` (2.0 = 200%) between two evaluations (zeta^2 突变 > 200%) |
 | communication_budget | cumulative bytes up + down exceed ``communication_budget_mb`` (通信量超预算) |
@@ -50,6 +53,9 @@ def evaluate_alerts(run: RunData) -> list[Alert]:
     alerts = [
         *loss_plateau(run, cfg.loss_patience),
         *update_norm_alerts(run, cfg.update_norm_growth, cfg.update_norm_decay),
+        *client_update_norm_exploding(run, cfg.update_norm_growth_client),
+        *client_accuracy_collapse(run, cfg.client_accuracy_drop),
+        *nonfinite_dropped(run),
         *p10_low(run, cfg.p10_min),
         *zeta_jump(run, cfg.zeta_jump),
         *communication_budget(run, cfg.communication_budget_mb),
@@ -111,6 +117,108 @@ def update_norm_alerts(run: RunData, growth: float, decay: float) -> list[Alert]
                 )
             ]
     return []
+
+
+def _clients(found: list[str]) -> str:
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return f"client{'s' if len(found) > 1 else ''} {shown}"
+
+
+def client_update_norm_exploding(run: RunData, growth: float) -> list[Alert]:
+    """Per client (``monitor.client_update_norm``): its norm vs its own first finite one; one
+    alert per evaluation in which some client first crosses, naming those clients."""
+    first: dict[str, float] = {}
+    fired: set[str] = set()
+    alerts = []
+    for rnd, row in zip(run.round_numbers, run.rounds, strict=True):
+        norms = dig(row, "monitor", "client_update_norm")
+        if not isinstance(norms, dict):
+            continue
+        found = []
+        for client, value in norms.items():
+            if client in fired or not isinstance(value, int | float):
+                continue
+            value = float(value)
+            start = first.get(client)
+            if not math.isfinite(value) or (start is not None and value > growth * start):
+                was = f"{start:.3g}" if start is not None else "none finite before"
+                found.append(f"{client} ({value:.3g}, first {was})")
+                fired.add(client)
+            elif start is None and value > 0:
+                first[client] = value
+        if found:
+            alerts.append(
+                Alert(
+                    "client_update_norm_exploding",
+                    rnd,
+                    f"{_clients(found)}: update norm over {growth:g}x its first value or not "
+                    "finite (diverging; lower train.lr, the local work or the algorithm's "
+                    "coefficient)",
+                )
+            )
+    return alerts
+
+
+def client_names(run: RunData, count: int) -> list[str]:
+    """The ids of the ``client_accuracy`` entries (summary's final client_accuracy keys when
+    they match, else positions)."""
+    ids = dig(run.summary, "final", "client_accuracy")
+    if isinstance(ids, dict) and len(ids) == count:
+        return [str(c) for c in ids]
+    return [str(i) for i in range(count)]
+
+
+def client_accuracy_collapse(run: RunData, drop: float | None) -> list[Alert]:
+    """A client's personalized accuracy under ``drop`` x its best earlier evaluation (once per
+    client; one alert per evaluation, naming the clients)."""
+    if drop is None:
+        return []
+    best: dict[int, float] = {}
+    fired: set[int] = set()
+    alerts = []
+    for rnd, row in zip(run.round_numbers, run.rounds, strict=True):
+        accuracy = row.get("client_accuracy") if isinstance(row, dict) else None
+        if not isinstance(accuracy, list):
+            continue
+        names = client_names(run, len(accuracy))
+        found = []
+        for i, value in enumerate(accuracy):
+            acc = num(value)
+            if acc is None or i in fired:
+                continue
+            top = best.get(i)
+            if top is not None and top > 0 and acc < drop * top:
+                found.append(f"{names[i]} ({acc:.1%}, best {top:.1%})")
+                fired.add(i)
+            best[i] = max(acc, top or 0.0)
+        if found:
+            alerts.append(
+                Alert(
+                    "client_accuracy_collapse",
+                    rnd,
+                    f"{_clients(found)}: personalized accuracy below {drop:.0%} of its best "
+                    "earlier value",
+                )
+            )
+    return alerts
+
+
+def nonfinite_dropped(run: RunData) -> list[Alert]:
+    """At the first evaluation that counts clients dropped as non-finite, with the run's
+    total."""
+    points = [(r, c) for r, c in _points(run, "dropped_nonfinite") if c > 0]
+    if not points:
+        return []
+    total = max(c for _, c in points)
+    return [
+        Alert(
+            "nonfinite_dropped",
+            points[0][0],
+            f"{total:.0f} client update(s) with a non-finite loss or model left out by round "
+            f"{points[-1][0]:.0f} (train.nonfinite: drop; lower train.lr, the local work or the "
+            "algorithm's coefficient)",
+        )
+    ]
 
 
 def p10_low(run: RunData, minimum: float | None) -> list[Alert]:
