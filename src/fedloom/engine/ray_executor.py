@@ -168,8 +168,9 @@ class RayExecutor:
             import ray  # noqa: F401
         except ImportError:
             raise ConfigError(
-                "executor.kind: 'ray' needs the ray package, which is not installed "
-                "(pip install ray)"
+                "executor.kind: 'ray' needs Ray, an optional extra that is not installed: "
+                "pip install 'fedloom[ray]' (or choose executor.kind: auto, sequential or "
+                "vectorized)"
             ) from None
         if config.device != "cpu":
             raise ConfigError(
