@@ -28,6 +28,7 @@ from fedloom.engine.functional import FunctionalModel
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.pytree import Tree
 from fedloom.engine.scheduling import balanced_groups
+from fedloom.engine.threads import set_worker_threads
 from fedloom.errors import ConfigError
 
 MIN_OBJECT_STORE = 256 * 1024**2
@@ -85,7 +86,7 @@ class RayWorker:
     ) -> None:
         import ray
 
-        torch.set_num_threads(threads)
+        set_worker_threads(threads)
         self.clients = clients
         self.chunk_size = chunk_size
         self.memory_budget = memory_budget
