@@ -126,7 +126,7 @@ def child(args: argparse.Namespace) -> None:
             {
                 "seconds": seconds,
                 "choice": result.summary.get("executor_choice"),
-                "wait": openmp_wait_policy(),
+                "wait_env": openmp_wait_policy(),
             }
         )
     )
@@ -135,6 +135,7 @@ def child(args: argparse.Namespace) -> None:
 def measure(policy: Policy, background: str, args: argparse.Namespace) -> dict[str, object]:
     """One fresh process running the workload under ``policy`` beside ``background``."""
     env = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS} | policy.env
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"  # libgomp prints its settings: the policy in force
     neighbour = None
     if BACKGROUNDS[background] is not None:
         quiet_env = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
@@ -147,11 +148,11 @@ def measure(policy: Policy, background: str, args: argparse.Namespace) -> dict[s
         cmd += ["--threads", str(policy.threads)]
     if policy.torch_first:
         cmd.append("--torch-first")
-    started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"timeout_s": args.timeout, "wall_s": time.perf_counter() - started}
+        # start-up plus rounds + 1 rounds took longer: a lower bound of the mean round
+        return {"timeout_s": args.timeout, "mean_s_above": args.timeout / (args.rounds + 1)}
     finally:
         if neighbour is not None:
             neighbour.kill()
@@ -160,6 +161,8 @@ def measure(policy: Policy, background: str, args: argparse.Namespace) -> dict[s
         raise RuntimeError(f"{policy.name} beside {background} failed:\n{proc.stderr}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     seconds = out.pop("seconds")
+    shown = [line.split("'")[1] for line in proc.stderr.splitlines() if "GOMP_SPINCOUNT =" in line]
+    out["libgomp_spincount"] = shown[0] if shown else None
     return {
         "mean_s": statistics.fmean(seconds),
         "median_s": statistics.median(seconds),
@@ -189,21 +192,28 @@ def main() -> None:
     policies = [POLICIES[p] for p in args.policies.split(",")]
     backgrounds = args.backgrounds.split(",")
     results: dict[str, dict[str, object]] = {}
-    log(f"{CORES} cores, load average {os.getloadavg()[0]:.2f} at the start")
+    loads = {"start": os.getloadavg()[0]}
+    log(f"{CORES} cores, load average {loads['start']:.2f} at the start")
     for background in backgrounds:
         for policy in policies:  # interleaved: drifting background load hits every policy
             r = measure(policy, background, args)
             results.setdefault(policy.name, {})[background] = r
-            shown = f"{r['mean_s']:.3f} s/round" if "mean_s" in r else "TIMEOUT"
+            shown = (
+                f"{r['mean_s']:.3f} s/round"
+                if "mean_s" in r
+                else f"> {r['mean_s_above']:.0f} s/round (timed out)"
+            )
             log(f"{policy.name:>22} beside {background:<6} {shown}")
-    print(f"\n{'policy':>22} " + " ".join(f"{b:>14}" for b in backgrounds))
+    loads["end"] = os.getloadavg()[0]
+    print(f"\nload average {loads['start']:.2f} at the start, {loads['end']:.2f} at the end")
+    print(f"{'policy':>22} " + " ".join(f"{b:>14}" for b in backgrounds))
     for name, row in results.items():
         quiet = row.get("quiet", {}).get("mean_s")
         cells = []
         for background in backgrounds:
             r = row[background]
             if "mean_s" not in r:
-                cells.append(f"{'>' + str(int(r['timeout_s'])) + ' s':>14}")
+                cells.append(f"{'>' + format(r['mean_s_above'], '.0f'):>8}{'':>6}")
                 continue
             ratio = f" ({r['mean_s'] / quiet:.1f}x)" if quiet and background != "quiet" else ""
             cells.append(f"{r['mean_s']:>8.3f}{ratio:>6}")
@@ -214,7 +224,7 @@ def main() -> None:
             if quiet and "mean_s" in r:
                 r["ratio_to_quiet"] = r["mean_s"] / quiet
     setting = {k: getattr(args, k) for k in ("executor", "model", "clients", "steps", "rounds")}
-    print(json.dumps({**setting, "cores": CORES, "results": results}))
+    print(json.dumps({**setting, "cores": CORES, "load_average": loads, "results": results}))
 
 
 if __name__ == "__main__":
