@@ -16,8 +16,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch import nn
 from fedloom.config import parse_config
 from fedloom.data.federated import FederatedData, from_arrays
 from fedloom.engine.loop import Engine, setup_frozen
+from fedloom.engine.threads import macs_per_sample, torch_threads
 from fedloom.models import build_model
 
 SEED = 0
@@ -85,15 +86,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextmanager
-def threads(n: int | None) -> Iterator[None]:
+def threads(n: int | None) -> AbstractContextManager[None]:
     """Run the block with ``n`` intra-op threads (None: all cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n or os.cpu_count() or 1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return torch_threads(n or os.cpu_count() or 1)
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -309,27 +304,6 @@ class EngineContender(Contender):
 
 
 # -- FLOPs and peak -------------------------------------------------------------------------------
-def macs_per_sample(module: nn.Module, sample: torch.Tensor) -> int:
-    """Multiply-accumulates of the linear and convolution layers for one sample's forward."""
-    total = 0
-
-    def hook(m: nn.Module, _inp: object, out: torch.Tensor) -> None:
-        nonlocal total
-        if isinstance(m, nn.Linear):
-            total += out.numel() * m.in_features
-        elif isinstance(m, nn.modules.conv._ConvNd):
-            total += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
-
-    handles = [m.register_forward_hook(hook) for m in module.modules()]
-    try:
-        with torch.no_grad():
-            module(sample.unsqueeze(0))
-    finally:
-        for h in handles:
-            h.remove()
-    return total
-
-
 def round_flops(wl: Workload) -> float:
     """FLOPs of one round: ~6 x MACs per sample (forward 2, backward 4) x samples x epochs."""
     module = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)

@@ -1,9 +1,14 @@
 """fedloom: federated and personalized federated learning, one algorithm on every executor."""
 
-from fedloom import data
-from fedloom.api import run
-from fedloom.config import RunConfig
-from fedloom.engine.loop import RunResult
+# First, before anything imports torch: OpenMP reads its wait policy when torch loads it.
+from fedloom.engine.threads import default_openmp_wait
+
+default_openmp_wait()
+
+from fedloom import data  # noqa: E402
+from fedloom.api import run  # noqa: E402
+from fedloom.config import RunConfig  # noqa: E402
+from fedloom.engine.loop import RunResult  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fedloom.errors import FedloomInputError
 
@@ -27,13 +28,17 @@ def _fail(err: BaseException, debug: bool) -> None:
     if debug:
         traceback.print_exception(err)
     if isinstance(err, FedloomInputError):
-        err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        # escaped: messages quote brackets (pip install 'fedloom[ray]') that are not markup
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(2)
     if isinstance(err, KeyboardInterrupt):
         err_console.print("interrupted; resume with `fedloom run --resume RUN_DIR`")
         raise typer.Exit(130)
     err_console.print(
-        f"[bold red]fedloom failed:[/] {type(err).__name__}: {err} (rerun with --debug)"
+        f"[bold red]fedloom failed:[/] {type(err).__name__}: {escape(str(err))} "
+        "(rerun with --debug)"
     )
     raise typer.Exit(1)
 

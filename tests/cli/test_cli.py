@@ -274,3 +274,51 @@ def test_default_run_finishes_on_embedded_data(tmp_path):
     assert summary["dataset"] == "digits" and summary["rounds"] == 100
     assert summary["final"]["global"]["accuracy"] > 0.85
     assert (run_dir / "report.html").is_file()
+
+
+# Runs `python -m fedloom` with `import ray` failing, as if the ray extra were not installed.
+WITHOUT_RAY = (
+    "import runpy, sys; sys.modules['ray'] = None; sys.argv[0] = 'fedloom'; "
+    "runpy.run_module('fedloom', run_name='__main__', alter_sys=True)"
+)
+
+
+def test_ray_executor_without_ray_exits_2_and_says_how_to_install(tmp_path):
+    path = write_config(tmp_path, executor={"kind": "ray"})
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_RAY, "run", str(path), "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr
+    message = " ".join(proc.stderr.split())
+    assert "executor.kind: 'ray'" in message and "pip install 'fedloom[ray]'" in message, message
+    assert "Traceback" not in proc.stderr
+
+
+def test_other_executors_run_without_ray(tmp_path):
+    path = write_config(tmp_path, executor={"kind": "auto"}, train={"rounds": 1})
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_RAY, "run", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "summary.json").exists()
+
+
+def test_importing_fedloom_does_not_import_ray():
+    """Ray is an optional extra: only the Ray executor imports it, and only when built."""
+    code = (
+        "import importlib, pkgutil, sys, fedloom, fedloom.cli\n"
+        "for m in pkgutil.walk_packages(fedloom.__path__, 'fedloom.'):\n"
+        "    if m.name != 'fedloom.__main__':\n"
+        "        importlib.import_module(m.name)\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -212,7 +212,7 @@ def test_cuda_is_not_supported_yet() -> None:
 def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     model = FunctionalModel(torch.nn.Linear(2, 2), "regression")
-    with pytest.raises(ConfigError, match="pip install ray"):
+    with pytest.raises(ConfigError, match=r"pip install 'fedloom\[ray\]'"):
         RayExecutor(model, ExecutorConfig(kind="ray"))
 
 

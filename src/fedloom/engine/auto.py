@@ -16,8 +16,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
@@ -26,6 +24,7 @@ from fedloom.core.pytree import Tree
 from fedloom.engine.executor import SequentialExecutor
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.processes import MultiprocessExecutor
+from fedloom.engine.threads import torch_threads
 from fedloom.engine.vectorized import VectorizedExecutor
 from fedloom.errors import ConfigError
 
@@ -138,10 +137,10 @@ class AutoExecutor:
 
         small = probe(PROBE_CLIENTS)
         max_batch = max((b.shape[0] for p in plans for b in p), default=1)
-        before = torch.get_num_threads()
-        try:
-            for kind, threads in self._candidates():
-                torch.set_num_threads(threads)
+        for kind, threads in self._candidates():
+            # timed under the thread count (and the process's OpenMP wait policy) that the
+            # run will use if it wins, so a busy neighbour shows in the timings
+            with torch_threads(threads):
                 executor = self._executor(kind)
 
                 def timed(work: list[ClientTask], executor: Any = executor) -> float:
@@ -173,8 +172,6 @@ class AutoExecutor:
                 else:  # one-step plans (FedSGD): nothing to separate, the round is one step
                     per_step, once = 0.0, min(t_short, t_long)
                 self.timings[f"{kind}/threads={threads}"] = once + per_step * steps
-        finally:
-            torch.set_num_threads(before)
         return min(self.timings, key=self.timings.__getitem__)
 
     def run_round(
@@ -191,10 +188,5 @@ class AutoExecutor:
             if self.processes is not None and not self.choice.startswith("processes"):
                 self.processes.close()  # not chosen: release the worker processes
         kind, threads = self.choice.split("/threads=")
-        executor = self._executor(kind)
-        before = torch.get_num_threads()
-        torch.set_num_threads(int(threads))
-        try:
-            return executor.run_round(algorithm, message, tasks, states)
-        finally:
-            torch.set_num_threads(before)
+        with torch_threads(int(threads)):
+            return self._executor(kind).run_round(algorithm, message, tasks, states)

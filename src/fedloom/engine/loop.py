@@ -40,6 +40,7 @@ from fedloom.engine.progress import RoundProgress
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import sample_clients
 from fedloom.engine.state_store import ClientStateStore
+from fedloom.engine.threads import run_threads, torch_threads
 from fedloom.engine.tracking import Tracker, make_trackers
 from fedloom.engine.workload import full_budget, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
@@ -293,9 +294,14 @@ class Engine:
             "elapsed": 0.0,
         }
 
+    def _threads(self) -> int | None:
+        """This process's intra-op threads for the run (engine/threads.py, run_threads)."""
+        biggest = max(self.data.clients, key=lambda c: c.x_train.shape[0])
+        batch = self.config.train.batch_size or biggest.x_train.shape[0]
+        return run_threads(self.config.executor, self.model.module, biggest.x_train[0], batch)
+
     def run(self, resume: bool = False) -> RunResult:
-        cfg = self.config
-        with intra_op_threads(cfg.executor.threads):
+        with torch_threads(self._threads()):
             clients = list(self.data.clients) + ([self._pooled] if self._pooled is not None else [])
             self.executor.prepare(clients)
             self._open_trackers = self._trackers()
@@ -512,19 +518,6 @@ def setup_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-@contextmanager
-def intra_op_threads(threads: int | None) -> Iterator[None]:
-    """Use ``threads`` intra-op threads inside the block (None: torch's default, all cores);
-    restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def heterogeneity_summary(

@@ -16,20 +16,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.scheduling import balanced_groups
+from fedloom.engine.threads import set_worker_threads
 
 _WORKER: dict[str, Any] = {}
 """Set in the parent just before the fork: the clients' data and the inner executor."""
-
-
-def _init_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
 
 
 def _run_group(
@@ -67,7 +62,7 @@ class MultiprocessExecutor:
             self._pool = ProcessPoolExecutor(
                 self.workers,
                 mp_context=multiprocessing.get_context("fork"),
-                initializer=_init_worker,
+                initializer=set_worker_threads,
                 initargs=(self.threads,),
             )
         return self._pool

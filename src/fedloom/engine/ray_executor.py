@@ -28,6 +28,7 @@ from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.scheduling import balanced_groups
+from fedloom.engine.threads import set_worker_threads
 from fedloom.errors import ConfigError
 
 MIN_OBJECT_STORE = 256 * 1024**2
@@ -85,7 +86,7 @@ class RayWorker:
     ) -> None:
         import ray
 
-        torch.set_num_threads(threads)
+        set_worker_threads(threads)
         self.clients = clients
         self.chunk_size = chunk_size
         self.memory_budget = memory_budget
@@ -168,8 +169,9 @@ class RayExecutor:
             import ray  # noqa: F401
         except ImportError:
             raise ConfigError(
-                "executor.kind: 'ray' needs the ray package, which is not installed "
-                "(pip install ray)"
+                "executor.kind: 'ray' needs Ray, an optional extra that is not installed: "
+                "pip install 'fedloom[ray]' (or choose executor.kind: auto, sequential or "
+                "vectorized)"
             ) from None
         if config.device != "cpu":
             raise ConfigError(
