@@ -206,8 +206,9 @@ def global_curves(run_dir: Path, result: Any, data: FederatedData, seed: int) ->
         "local_train_loss": [None],
     }
     history = {row["round"]: row for row in result.history}
-    for path in RunDir(run_dir).checkpoints():
-        payload = torch.load(path, weights_only=False)
+    run = RunDir(run_dir)
+    for path in run.checkpoints():
+        payload = run.read_checkpoint(path)  # verified; never unpickled
         server = payload["server"]
         if not isinstance(server, dict) or "params" not in server:
             raise RuntimeError(f"{path}: no server params in the checkpoint")
@@ -231,8 +232,7 @@ def global_curves(run_dir: Path, result: Any, data: FederatedData, seed: int) ->
 
 def prune_checkpoints(run_dir: Path, keep: int = 2) -> None:
     """Keep the last ``keep`` checkpoints (fedloom's default), so the run stays resumable."""
-    for path in RunDir(run_dir).checkpoints()[:-keep]:
-        path.unlink()
+    RunDir(run_dir).prune_checkpoints(keep)
 
 
 def run_cell(

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TextIO
 
 import typer
 from rich.console import Console
@@ -194,7 +195,26 @@ def dashboard(
         _fail(err, debug)
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """fedloom's own warnings as one line on stderr (``warning: ...``); others as Python's."""
+    if category.__module__.startswith("fedloom."):
+        err_console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main() -> None:
+    warnings.showwarning = _show_warning
     try:
         app()
     except SystemExit as exc:

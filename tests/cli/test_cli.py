@@ -245,6 +245,39 @@ def test_resume_of_a_non_run_directory_exits_2(tmp_path):
     assert "config.yaml" in proc.stderr
 
 
+def test_resume_past_a_truncated_newest_checkpoint(tmp_path):
+    """Issue #13: the newest checkpoint torn (as by a power cut): --resume warns naming it,
+    continues from the older good one, and ends with the uninterrupted run's metrics."""
+    config = write_config(tmp_path, train={"rounds": 4}, checkpoint={"every": 2, "keep": 2})
+    out = tmp_path / "run"
+    assert fedloom("run", str(config), "--out", str(out)).returncode == 0
+    full = (out / "metrics.jsonl").read_text().splitlines()
+    torn = out / "checkpoints" / "round_000004.safetensors"
+    with torn.open("r+b") as f:
+        f.truncate(torn.stat().st_size // 2)
+    proc = fedloom("run", "--resume", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: checkpoint {torn} is damaged" in proc.stderr
+    resumed = (out / "metrics.jsonl").read_text().splitlines()
+    drop = ("wall_seconds", "seconds")
+    strip = [{k: v for k, v in json.loads(r).items() if k not in drop} for r in full]
+    assert [{k: v for k, v in json.loads(r).items() if k not in drop} for r in resumed] == strip
+    assert fedloom("run", "--resume", str(out)).stderr == ""  # round 4 was written again, good
+
+
+def test_resume_with_every_checkpoint_damaged_exits_2_naming_them(tmp_path):
+    config = write_config(tmp_path, train={"rounds": 4}, checkpoint={"every": 2, "keep": 2})
+    out = tmp_path / "run"
+    assert fedloom("run", str(config), "--out", str(out)).returncode == 0
+    for name in ("round_000002.safetensors", "round_000004.safetensors"):
+        (out / "checkpoints" / name).write_bytes(b"")
+    proc = fedloom("run", "--resume", str(out))
+    assert proc.returncode == 2
+    error = proc.stderr[proc.stderr.index("error:") :]
+    assert "no good checkpoint" in error
+    assert "round_000002.safetensors" in error and "round_000004.safetensors" in error
+
+
 def test_algorithms_lists_every_baseline_with_hyperparameters():
     proc = fedloom("algorithms")
     assert proc.returncode == 0

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from fedloom.engine.checkpoint import (
+    MANIFEST_SUFFIX,
+    TENSOR_SUFFIX,
+    CheckpointError,
+    CheckpointWarning,
+    read_checkpoint,
+    write_checkpoint,
+)
 from fedloom.errors import RunDirError
 
 
@@ -86,21 +94,85 @@ class RunDir:
     def rewrite_metrics(self, rows: list[dict[str, Any]]) -> None:
         _atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
 
-    # -- checkpoints ----------------------------------------------------------------------
+    # -- checkpoints (engine/checkpoint.py: safetensors + a checksummed JSON manifest) ---------
+    def checkpoint_path(self, round: int) -> Path:
+        """The manifest of round ``round``'s checkpoint (its tensors sit beside it)."""
+        return self.checkpoint_dir / f"round_{round:06d}{MANIFEST_SUFFIX}"
+
     def save_checkpoint(self, round: int, payload: dict[str, Any], keep: int) -> Path:
-        path = self.checkpoint_dir / f"round_{round:06d}.pt"
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-        for old in self.checkpoints()[:-keep]:
-            old.unlink()
+        """Write round ``round``'s checkpoint durably, then keep only the newest ``keep``.
+
+        Checkpoints of later rounds are removed: they belong to a run that was resumed from an
+        earlier checkpoint (their own was damaged) and are superseded by this one."""
+        path = write_checkpoint(self.checkpoint_path(round), payload)
+        self.prune_checkpoints(keep, newest=round)
         return path
 
+    def _checkpoint_rounds(self) -> dict[int, list[Path]]:
+        """Every checkpoint file (finished, partial or temporary) by its round."""
+        rounds: dict[int, list[Path]] = {}
+        for path in self.checkpoint_dir.glob("round_*"):
+            match = _CHECKPOINT_NAME.fullmatch(path.name)
+            if match:
+                rounds.setdefault(int(match[1]), []).append(path)
+        return rounds
+
+    def prune_checkpoints(self, keep: int, newest: int | None = None) -> None:
+        """Delete all but the newest ``keep`` checkpoints (all files of a round go together);
+        with ``newest``, first those of rounds after it."""
+        rounds = self._checkpoint_rounds()
+        if newest is not None:
+            stale = [r for r in rounds if r > newest]
+            for r in stale:
+                for path in rounds.pop(r):
+                    path.unlink(missing_ok=True)
+        for r in sorted(rounds)[:-keep]:
+            for path in rounds[r]:
+                path.unlink(missing_ok=True)
+
     def checkpoints(self) -> list[Path]:
-        return sorted(self.checkpoint_dir.glob("round_*.pt"))
+        """The finished checkpoints' manifests, oldest first (not yet verified)."""
+        return sorted(self.checkpoint_dir.glob(f"round_*{MANIFEST_SUFFIX}"))
+
+    def read_checkpoint(self, path: Path) -> dict[str, Any]:
+        """One checkpoint's payload, verified (raises ``CheckpointError`` naming the file)."""
+        return read_checkpoint(path)
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
-        found = self.checkpoints()
-        if not found:
-            return None
-        return torch.load(found[-1], weights_only=False)
+        """The newest good checkpoint's payload, or None if there is none at all.
+
+        A damaged or incomplete newer one (torn by a crash, a tampered byte) is skipped with a
+        ``CheckpointWarning`` naming it; if every checkpoint is bad, ``RunDirError`` names them.
+        """
+        rounds = self._checkpoint_rounds()
+        legacy = sorted(p for files in rounds.values() for p in files if p.suffix == ".pt")
+        candidates = sorted(
+            (r for r, files in rounds.items() if any(_is_checkpoint_file(p) for p in files)),
+            reverse=True,
+        )
+        if not candidates and legacy:
+            raise RunDirError(
+                f"{self.checkpoint_dir} holds only pickle checkpoints from an older fedloom "
+                f"({', '.join(p.name for p in legacy)}); they are not loaded, because unpickling "
+                "can run arbitrary code. Start the run again, or resume it with the fedloom "
+                "version that wrote it."
+            )
+        failures: list[str] = []
+        for r in candidates:
+            try:
+                return read_checkpoint(self.checkpoint_path(r))
+            except CheckpointError as err:
+                failures.append(str(err))
+                warnings.warn(f"{err}; trying an older checkpoint", CheckpointWarning, stacklevel=2)
+        if failures:
+            raise RunDirError(
+                f"no good checkpoint to resume {self.path} from: " + "; ".join(failures)
+            )
+        return None
+
+
+_CHECKPOINT_NAME = re.compile(r"round_(\d+)\..*")
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    return path.suffix in (MANIFEST_SUFFIX, TENSOR_SUFFIX)

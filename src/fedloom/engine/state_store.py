@@ -126,7 +126,7 @@ class ClientStateStore:
             "present": self.present.clone(),
             "none": sorted(self._none),
             "empty": sorted(self._empty),
-            "tables": dict(self.tables),  # torch.save writes them out; no extra copy
+            "tables": dict(self.tables),  # the checkpoint writer reads them; no extra copy
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:

@@ -1,0 +1,303 @@
+"""Checkpoint files that never unpickle (issue #13).
+
+One checkpoint is a pair of files in ``checkpoints/``:
+
+- ``round_NNNNNN.safetensors``: every tensor of the payload, under its flattened path in the
+  tree (``server/params/fc1.weight``; a ``/`` or ``~`` inside one key is escaped as in JSON
+  Pointer, RFC 6901: ``~1``, ``~0``). safetensors stores dtype and shape, nothing executable.
+- ``round_NNNNNN.json``: the manifest: the payload's tree with every tensor replaced by a
+  reference to its key, the SHA-256 and size of the tensor file, and a SHA-256 of the manifest
+  itself. Values JSON cannot hold exactly are tagged (``{"$tuple": [...]}``, see
+  :func:`encode`), so ints stay ints, tuples stay tuples, int dict keys stay ints and NaN stays
+  NaN.
+
+Writing: each file goes to a temporary name, is flushed and ``os.fsync``-ed, then atomically
+renamed with ``os.replace``; the tensor file first, the manifest (the commit point) last, then
+the directory is fsync-ed. A power cut leaves either the previous checkpoint or the new one,
+and a torn file is caught by its checksum when the checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from fedloom.errors import RunDirError
+
+FORMAT = "fedloom-checkpoint"
+VERSION = 1
+TENSOR_SUFFIX = ".safetensors"
+MANIFEST_SUFFIX = ".json"
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RunDirError):
+    """A checkpoint is damaged, incomplete or not a fedloom checkpoint; names the file."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an older good one."""
+
+
+# -- the tree <-> (JSON, tensors) ---------------------------------------------------------------
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _is_plain_key(key: object) -> bool:
+    return type(key) is str and not key.startswith("$")
+
+
+class _Encoder:
+    """Walks a payload, collecting its tensors under unique flattened keys."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._by_id: dict[int, str] = {}  # the same tensor object twice: one entry, one object
+        self._storages: set[tuple[str, int]] = set()
+
+    def tensor(self, value: torch.Tensor, path: tuple[str, ...]) -> str:
+        if id(value) in self._by_id:
+            return self._by_id[id(value)]
+        key = "/".join(_escape(p) for p in path) or "."
+        unique, n = key, 1
+        while unique in self.tensors:  # e.g. the str key "1" beside the int key 1
+            unique, n = f"{key}#{n}", n + 1
+        data = value.detach().cpu()
+        storage = (str(data.device), data.untyped_storage().data_ptr())
+        if storage[1] and storage in self._storages:  # a view of a stored tensor: own copy
+            data = data.clone()
+        self._storages.add((str(data.device), data.untyped_storage().data_ptr()))
+        self.tensors[unique] = data.contiguous()
+        self._by_id[id(value)] = unique
+        return unique
+
+    def encode(self, value: Any, path: tuple[str, ...]) -> Any:
+        kind = type(value)
+        if value is None or kind in (bool, int, str):
+            return value
+        if kind is float:
+            return value if math.isfinite(value) else {"$float": repr(value)}
+        if kind is list:
+            return [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]
+        if kind is dict:
+            if all(_is_plain_key(k) for k in value):
+                return {k: self.encode(v, (*path, k)) for k, v in value.items()}
+            return {
+                "$dict": [
+                    [self.encode(k, (*path, "$key")), self.encode(v, (*path, str(k)))]
+                    for k, v in value.items()
+                ]
+            }
+        if kind is tuple:
+            return {"$tuple": [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]}
+        if isinstance(value, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
+            ref: dict[str, Any] = {"$tensor": self.tensor(value, path)}
+            if kind is torch.nn.Parameter:
+                ref["parameter"] = True
+            if value.requires_grad:
+                ref["requires_grad"] = True
+            if value.device.type != "cpu":
+                ref["device"] = str(value.device)
+            return ref
+        if kind is np.ndarray:
+            if value.dtype.hasobject:
+                raise TypeError(f"checkpoint: numpy object array at {'/'.join(path)}")
+            return {"$ndarray": self.tensor(torch.from_numpy(np.ascontiguousarray(value)), path)}
+        if isinstance(value, np.generic) and not value.dtype.hasobject:
+            return {"$npscalar": value.dtype.str, "value": self.encode(value.item(), path)}
+        if kind is torch.Generator:
+            state = self.tensor(value.get_state(), path)
+            return {"$generator": state, "device": str(value.device)}
+        if kind is torch.dtype:
+            return {"$dtype": str(value).removeprefix("torch.")}
+        if kind is torch.Size:
+            return {"$size": list(value)}
+        if kind is torch.device:
+            return {"$device": str(value)}
+        if kind in (set, frozenset):
+            tag = "$set" if kind is set else "$frozenset"
+            return {tag: [self.encode(v, (*path, "$item")) for v in value]}
+        if kind is bytes:
+            return {"$bytes": base64.b64encode(value).decode("ascii")}
+        raise TypeError(
+            f"checkpoint: cannot store a {kind.__module__}.{kind.__qualname__} at "
+            f"{'/'.join(path) or '(root)'}; state must be tensors, numpy arrays, numbers, "
+            "strings, None, bools and lists/tuples/sets/dicts of them"
+        )
+
+
+def encode(payload: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(JSON-able tree, tensors by key): ``decode`` of the two gives ``payload`` back exactly
+    (types, dtypes, int dict keys, NaN, the identity of a tensor object used twice)."""
+    encoder = _Encoder()
+    return encoder.encode(payload, ()), encoder.tensors
+
+
+def _restore_device(tensor: torch.Tensor, device: str | None) -> torch.Tensor:
+    if device is None:
+        return tensor
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        return tensor  # written on a GPU machine, read on a CPU-only one
+    return tensor.to(target)
+
+
+def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`encode`; raises ``KeyError``/``ValueError`` on a malformed tree."""
+    if isinstance(tree, list):
+        return [decode(v, tensors) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    tags = [k for k in tree if k.startswith("$")]
+    if not tags:
+        return {k: decode(v, tensors) for k, v in tree.items()}
+    if len(tags) != 1:
+        raise ValueError(f"ambiguous tags {tags}")
+    tag = tags[0]
+    body = tree[tag]
+    if tag == "$tensor":
+        value = _restore_device(tensors[body], tree.get("device"))
+        if tree.get("parameter"):
+            return torch.nn.Parameter(value, requires_grad=bool(tree.get("requires_grad")))
+        return value.requires_grad_() if tree.get("requires_grad") else value
+    if tag == "$float":
+        return float(body)
+    if tag == "$dict":
+        return {decode(k, tensors): decode(v, tensors) for k, v in body}
+    if tag == "$tuple":
+        return tuple(decode(v, tensors) for v in body)
+    if tag == "$ndarray":
+        return tensors[body].numpy()
+    if tag == "$npscalar":
+        return np.dtype(body).type(decode(tree["value"], tensors))
+    if tag == "$generator":
+        generator = torch.Generator(tree["device"])
+        generator.set_state(tensors[body])
+        return generator
+    if tag == "$dtype":
+        dtype = getattr(torch, body)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {body!r}")
+        return dtype
+    if tag == "$size":
+        return torch.Size(body)
+    if tag == "$device":
+        return torch.device(body)
+    if tag == "$set":
+        return {decode(v, tensors) for v in body}
+    if tag == "$frozenset":
+        return frozenset(decode(v, tensors) for v in body)
+    if tag == "$bytes":
+        return base64.b64decode(body, validate=True)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+# -- files ------------------------------------------------------------------------------------
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames in ``directory`` durable (POSIX; Windows cannot open a directory)."""
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_sha256(path: Path, sync: bool = False) -> tuple[str, int]:
+    """(hex SHA-256, size) of ``path``; with ``sync``, also fsync it to disk."""
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return digest.hexdigest(), size
+
+
+def _manifest_sha256(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest's canonical JSON without its own ``sha256`` entry."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def write_checkpoint(manifest_path: Path, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` as ``manifest_path`` (``.json``) and its ``.safetensors`` beside it,
+    each fsync-ed under a temporary name and then atomically renamed (see the module doc)."""
+    tree, tensors = encode(payload)
+    tensor_path = manifest_path.with_suffix(TENSOR_SUFFIX)
+    save_file(tensors, _tmp(tensor_path))
+    sha, size = _file_sha256(_tmp(tensor_path), sync=True)
+    os.replace(_tmp(tensor_path), tensor_path)
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tensors": {"file": tensor_path.name, "sha256": sha, "bytes": size},
+        "tree": tree,
+    }
+    manifest["sha256"] = _manifest_sha256(manifest)
+    with _tmp(manifest_path).open("w") as f:
+        json.dump(manifest, f, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(_tmp(manifest_path), manifest_path)
+    _fsync_dir(manifest_path.parent)
+    return manifest_path
+
+
+def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
+    """The payload of a checkpoint, after verifying both checksums; never unpickles.
+
+    Raises :class:`CheckpointError` naming the file when anything is missing or damaged."""
+    tensor_path = manifest_path.with_suffix(TENSOR_SUFFIX)
+
+    def bad(path: Path, why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} is damaged or incomplete: {why}")
+
+    if not manifest_path.is_file():
+        raise bad(manifest_path, "no manifest (the write did not finish)")
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise bad(manifest_path, f"not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise bad(manifest_path, f"not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise bad(manifest_path, f"version {manifest.get('version')!r}, expected {VERSION}")
+    if manifest.get("sha256") != _manifest_sha256(manifest):
+        raise bad(manifest_path, "SHA-256 of the manifest does not match")
+    expected = manifest["tensors"]
+    if expected["file"] != tensor_path.name:
+        raise bad(manifest_path, f"names tensor file {expected['file']!r}")
+    if not tensor_path.is_file():
+        raise bad(tensor_path, "missing")
+    sha, size = _file_sha256(tensor_path)
+    if size != expected["bytes"]:
+        raise bad(tensor_path, f"{size} bytes, the manifest recorded {expected['bytes']}")
+    if sha != expected["sha256"]:
+        raise bad(tensor_path, "SHA-256 does not match the manifest's")
+    try:
+        tensors = load_file(tensor_path)
+        payload = decode(manifest["tree"], tensors)
+    except (SafetensorError, KeyError, ValueError, TypeError) as err:
+        raise bad(tensor_path, f"{type(err).__name__}: {err}") from None
+    if not isinstance(payload, dict):
+        raise bad(manifest_path, "the payload is not a dict")
+    return payload
