@@ -115,7 +115,11 @@ class PFLReference:
 
 def prox_term(model: nn.Module, anchor: Sequence[torch.Tensor], mu: float) -> torch.Tensor:
     """mu/2 ||w - anchor||^2 over the model's parameters."""
-    return 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+    return (
+        0.5
+        * mu
+        * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))
+    )
 
 
 class DittoReference(PFLReference):
@@ -192,7 +196,7 @@ class PFedMeReference(PFLReference):
                 total += loss.item()
                 steps += 1
             with torch.no_grad():
-                for w, theta in zip(omega, personal.parameters()):
+                for w, theta in zip(omega, personal.parameters(), strict=True):
                     w.sub_(self.lr * self.lam * (w - theta))
         self.personal[k] = personal
         return local.state_dict(), total / max(1, steps)
@@ -221,7 +225,9 @@ class APFLReference(PFLReference):
         total, steps = 0.0, 0
         for xb, yb in self.batches(self.loader(x, y, generator), self.epochs):
             with torch.no_grad():  # the mixture of the values before this step
-                for m, v, w in zip(mixed.parameters(), personal.parameters(), model.parameters()):
+                for m, v, w in zip(
+                    mixed.parameters(), personal.parameters(), model.parameters(), strict=True
+                ):
                     m.copy_(self.alpha * v + (1.0 - self.alpha) * w)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
@@ -230,7 +236,7 @@ class APFLReference(PFLReference):
             mixed.zero_grad()
             F.cross_entropy(mixed(xb), yb).backward()
             personal_optimizer.zero_grad()
-            for v, m in zip(personal.parameters(), mixed.parameters()):
+            for v, m in zip(personal.parameters(), mixed.parameters(), strict=True):
                 v.grad = m.grad.clone()
             personal_optimizer.step()
             total += loss.item()
@@ -257,7 +263,7 @@ class PerFedAvgReference(PFLReference):
         loader = self.loader(x, y, generator)
         second = self.steps(self.loader(x, y, generator), self.local_steps(loader))
         total, steps = 0.0, 0
-        for (xb, yb), (xb2, yb2) in zip(self.batches(loader, self.epochs), second):
+        for (xb, yb), (xb2, yb2) in zip(self.batches(loader, self.epochs), second, strict=True):
             saved = [p.detach().clone() for p in model.parameters()]
             inner.zero_grad()  # temp = w - alpha grad f(w; D)
             loss = F.cross_entropy(model(xb), yb)
@@ -266,7 +272,7 @@ class PerFedAvgReference(PFLReference):
             outer.zero_grad()  # grad f(temp; D'), applied at w
             F.cross_entropy(model(xb2), yb2).backward()
             with torch.no_grad():
-                for p, w in zip(model.parameters(), saved):
+                for p, w in zip(model.parameters(), saved, strict=True):
                     p.copy_(w)
             outer.step()
             total += loss.item()
