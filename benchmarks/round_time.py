@@ -503,6 +503,7 @@ def measure_workload(
     repeats: int | None = None,
     eval_too: bool = True,
     device: torch.device = CPU,
+    thread_counts: tuple[int, ...] = THREAD_COUNTS,
 ) -> dict[str, Any]:
     """Time every contender on ``wl`` (warm-up, then repeats interleaved across contenders so
     that background load hits all of them alike) and return the workload's JSON entry."""
@@ -512,9 +513,9 @@ def measure_workload(
     data = make_data(wl)
     contenders: list[Contender] = []
     for kind in ("sequential", "vectorized"):
-        contenders += [EngineContender(data, kind, t, device=device) for t in THREAD_COUNTS]
+        contenders += [EngineContender(data, kind, t, device=device) for t in thread_counts]
     init = contenders[0].initial_state()  # type: ignore[attr-defined]
-    contenders += [ReferenceContender(data, init, t, device) for t in THREAD_COUNTS]
+    contenders += [ReferenceContender(data, init, t, device) for t in thread_counts]
     auto_error = None
     try:
         contenders.append(EngineContender(data, "auto", None, device=device))
@@ -781,6 +782,7 @@ def run(
     peak_size: int = 2048,
     on_result: Callable[[str, dict[str, Any]], None] | None = None,
     device: torch.device = CPU,
+    thread_counts: tuple[int, ...] = THREAD_COUNTS,
 ) -> dict[str, dict[str, Any]]:
     """Measure every workload and the matmul peak (before each workload and at the end, the
     highest counts: background load only lowers it); return {workload: entry}."""
@@ -789,7 +791,7 @@ def run(
     for wl in workloads:
         peaks.append(matmul_peak(peak_size, device=device))
         log(f"float32 matmul peak ({peak_size}^2, {device}): {peaks[-1] / 1e9:.1f} GFLOP/s")
-        results[wl.name] = measure_workload(wl, peaks[-1], repeats, eval_too, device)
+        results[wl.name] = measure_workload(wl, peaks[-1], repeats, eval_too, device, thread_counts)
         if on_result:
             on_result(wl.name, results[wl.name])
     peaks.append(matmul_peak(peak_size, device=device))
