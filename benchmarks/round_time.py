@@ -1,9 +1,10 @@
-"""Seconds per FedAvg round: fedloom's executors against a reference written the way common FL
-libraries write it (``reference.py``), all measured in one process and reported as ratios.
+"""Seconds per round: fedloom's executors against a reference written the way common FL
+libraries write it (``reference.py`` for FedAvg, ``reference_pfl.py`` for the personalized
+workloads), all measured in one process and reported as ratios.
 
-Usage: ``python benchmarks/round_time.py [--workloads W1,W2,W3] [--repeats N] [--quick]
-[--device cuda]``. The last line of stdout is one JSON object keyed by workload; see
-benchmarks/README.md.
+Usage: ``python benchmarks/round_time.py [--workloads W1,W2,W3|pfl|W1-pfl|W3-pfl|W3-ditto,...]
+[--repeats N] [--quick] [--device cuda]``. The last line of stdout is one JSON object keyed by
+workload; see benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -16,21 +17,32 @@ import os
 import statistics
 import sys
 import time
+<<<<<<< HEAD
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
+=======
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+>>>>>>> bench
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from reference import fedavg_round
+from reference_pfl import PFLReference, build_reference
 from torch import nn
 
 from fedloom.config import parse_config
 from fedloom.data.federated import FederatedData, from_arrays
 from fedloom.engine.loop import Engine, setup_frozen
+<<<<<<< HEAD
 from fedloom.engine.threads import macs_per_sample, torch_threads
 from fedloom.models import build_model
+=======
+from fedloom.models import MLP, build_model
+>>>>>>> bench
 
 SEED = 0
 INPUT_SHAPE = (1, 28, 28)
@@ -43,9 +55,13 @@ PRUNE_MIN_EXCESS_S = 5.0
 FAMILIES = ("sequential", "vectorized")
 
 
+FEDAVG = {"name": "fedavg"}
+
+
 @dataclass(frozen=True)
 class Workload:
-    """One benchmark setting: FedAvg, every client participates, synthetic MNIST-shaped data."""
+    """One benchmark setting: an algorithm (FedAvg for W1-W3), every client participates,
+    synthetic MNIST-shaped data."""
 
     name: str
     model: str
@@ -59,6 +75,18 @@ class Workload:
     warmup_clients: int | None = None
     """Clients in the untimed warm-up round (None: all of them)."""
     note: str = ""
+    algorithm: dict[str, Any] = field(default_factory=lambda: dict(FEDAVG))
+    """fedloom's ``algorithm`` config; the reference runs the same algorithm and options."""
+    hidden: int | None = None
+    """Hidden units of the ``mlp`` (None: the model's default, 200)."""
+    grad_passes: float = 1.0
+    """Forward+backward passes per minibatch relative to FedAvg (for the FLOP estimate)."""
+    evaluation: bool = True
+    """Measure the per-client evaluation (``measure_evaluation``) after the rounds."""
+
+    @property
+    def personalized(self) -> bool:
+        return self.algorithm["name"] != FEDAVG["name"]
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -67,12 +95,88 @@ WORKLOADS: dict[str, Workload] = {
     "W3": Workload("W3", "logreg", 1000, 60, 10, test_samples=10, warmup_clients=200),
 }
 
+PFL_ALGORITHMS: dict[str, tuple[dict[str, Any], float]] = {
+    "ditto": ({"name": "ditto", "mu": 0.1}, 2.0),
+    "pfedme": ({"name": "pfedme", "lam": 15.0, "inner_steps": 5, "inner_lr": 0.09}, 5.0),
+    "apfl": ({"name": "apfl", "alpha": 0.25}, 2.0),
+    "perfedavg": ({"name": "perfedavg", "variant": "fo", "alpha": 0.01}, 2.0),
+    "fedrep": ({"name": "fedrep", "head_epochs": 1}, 2.0),
+}
+"""The personalized workloads' algorithm configs (the reference gets the same options) and
+their gradient passes per minibatch relative to FedAvg (pFedMe: K = 5 prox steps)."""
+FEDREP_W3_HIDDEN = 16
+
+
+def pfl_workloads() -> dict[str, Workload]:
+    """W1-<algorithm> and W3-<algorithm>: the shapes of W1 and W3 with a personalized
+    algorithm; W3-fedrep needs a body, so it trains a 2NN with 16 hidden units."""
+    out: dict[str, Workload] = {}
+    for shape in ("W1", "W3"):
+        base = WORKLOADS[shape]
+        for algo, (config, passes) in PFL_ALGORITHMS.items():
+            wl = replace(
+                base,
+                name=f"{shape}-{algo}",
+                algorithm=dict(config),
+                grad_passes=passes,
+                evaluation=False,
+            )
+            if shape == "W3" and algo == "fedrep":
+                wl = replace(
+                    wl,
+                    model="mlp",
+                    hidden=FEDREP_W3_HIDDEN,
+                    note=f"FedRep needs a body: a 2NN with {FEDREP_W3_HIDDEN} hidden units "
+                    "(MLP(hidden=16)) instead of logistic regression, in fedloom and the reference",
+                )
+            out[wl.name] = wl
+    return out
+
+
+PFL_WORKLOADS = pfl_workloads()
+ALL_WORKLOADS = {**WORKLOADS, **PFL_WORKLOADS}
+
+GROUPS: dict[str, list[str]] = {
+    "PFL": list(PFL_WORKLOADS),
+    "W1-PFL": [n for n in PFL_WORKLOADS if n.startswith("W1-")],
+    "W3-PFL": [n for n in PFL_WORKLOADS if n.startswith("W3-")],
+}
+"""``--workloads`` names that stand for several workloads (matched case-insensitively)."""
+
 TARGETS: dict[str, dict[str, float]] = {
     "W1": {"reference/auto": 2.5, "reference/sequential": 1.4},
     "W2": {"reference/auto": 1.2},
     "W3": {"reference/auto": 15.0, "reference/sequential": 3.0},
+    **{n: {"reference/auto": 2.0, "sequential/auto": 0.95} for n in GROUPS["W1-PFL"]},
+    **{n: {"reference/auto": 8.0, "sequential/auto": 0.95} for n in GROUPS["W3-PFL"]},
 }
-"""Speed-up targets of the issue: reference seconds over fedloom seconds, same run."""
+"""Speed-up targets of the issue: reference seconds over fedloom seconds, same run
+(``sequential/auto`` >= 0.95: auto never more than 5 % slower than the sequential executor)."""
+
+
+def select_workloads(spec: str) -> list[Workload]:
+    """The workloads named in the comma-separated ``spec`` (names or GROUPS, any case)."""
+    by_upper = {n.upper(): n for n in ALL_WORKLOADS}
+    names: list[str] = []
+    for raw in spec.split(","):
+        key = raw.strip().upper()
+        if key in GROUPS:
+            names += GROUPS[key]
+        elif key in by_upper:
+            names.append(by_upper[key])
+        else:
+            allowed = ", ".join([*ALL_WORKLOADS, *(g.lower() for g in GROUPS)])
+            raise ValueError(f"--workloads: unknown workload {raw.strip()!r}; allowed: {allowed}")
+    return [ALL_WORKLOADS[n] for n in dict.fromkeys(names)]
+
+
+def make_module(wl: Workload) -> nn.Module:
+    """The workload's model (``hidden``: a 2NN of that width)."""
+    if wl.hidden is not None:
+        if wl.model != "mlp":
+            raise ValueError(f"workload {wl.name}: hidden applies to model mlp, not {wl.model}")
+        return MLP(INPUT_SHAPE, NUM_CLASSES, hidden=wl.hidden)
+    return build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
 
 
 def log(msg: str) -> None:
@@ -144,7 +248,8 @@ class Contender:
 
 
 class ReferenceContender(Contender):
-    """The reference round of ``reference.py`` at a fixed intra-op thread count."""
+    """The reference round of ``reference.py`` (FedAvg) or ``reference_pfl.py`` (the
+    workload's personalized algorithm) at a fixed intra-op thread count."""
 
     def __init__(
         self,
@@ -158,33 +263,55 @@ class ReferenceContender(Contender):
         self.device = device
         self.label = f"reference/threads={n_threads}"
         wl = data.workload
-        self.model = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
+        self.model = make_module(wl)
         self.model.load_state_dict(init)
         self.model.to(device)
+        self.pfl = self._pfl(self.model)
         self.rounds = 0
 
-    def _round(self, model: nn.Module, clients: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def _pfl(self, model: nn.Module) -> PFLReference | None:
+        """The personalized reference over ``model`` with fresh per-client objects."""
+        wl = self.data.workload
+        if not wl.personalized:
+            return None
+        device = None if self.device.type == "cpu" else self.device
+        return build_reference(wl.algorithm, model, wl.lr, wl.batch_size, wl.epochs, device)
+
+    def _round(
+        self,
+        model: nn.Module,
+        pfl: PFLReference | None,
+        clients: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> float:
         wl = self.data.workload
         device = None if self.device.type == "cpu" else self.device
         with threads(self.threads):
             sync(self.device)
             start = time.perf_counter()
-            fedavg_round(
-                model, clients, wl.lr, wl.batch_size, wl.epochs, SEED + self.rounds, device
-            )
+            if pfl is None:
+                fedavg_round(
+                    model, clients, wl.lr, wl.batch_size, wl.epochs, SEED + self.rounds, device
+                )
+            else:
+                pfl.round(clients, SEED + self.rounds)
             sync(self.device)
             return time.perf_counter() - start
 
     def warmup(self) -> float:
+        """An untimed round on ``warmup_clients`` clients, on copies (the model and the
+        personal objects of the timed rounds stay untouched)."""
         k = self.data.workload.warmup_clients
-        return self._round(copy.deepcopy(self.model), self.data.train[:k])
+        model = copy.deepcopy(self.model)
+        return self._round(model, self._pfl(model), self.data.train[:k])
 
     def round(self) -> float:
         self.rounds += 1
-        return self._round(self.model, self.data.train)
+        return self._round(self.model, self.pfl, self.data.train)
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        state = self.model.state_dict()
+        keys = self.pfl.uploaded_keys() if self.pfl is not None else list(state)
+        return {k: state[k].detach().cpu().clone() for k in keys}
 
 
 class EngineContender(Contender):
@@ -210,7 +337,7 @@ class EngineContender(Contender):
             {
                 "seed": SEED,
                 "model": {"name": wl.model},
-                "algorithm": {"name": "fedavg"},
+                "algorithm": dict(wl.algorithm),
                 "train": {
                     "rounds": 1,
                     "local_epochs": wl.epochs,
@@ -227,8 +354,7 @@ class EngineContender(Contender):
                 },
             }
         )
-        module = build_model(wl.model, data.fed.input_shape, data.fed.num_outputs)
-        self.engine = Engine(cfg, data.fed, module)
+        self.engine = Engine(cfg, data.fed, make_module(wl))
         with threads(n_threads):
             self.engine.executor.prepare(data.fed.clients)
         self.st = self.engine._initial()
@@ -268,9 +394,18 @@ class EngineContender(Contender):
         """Median of the timed rounds so far."""
         return statistics.median(self.times) if self.times else math.inf
 
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The whole initial model (every key, a FedRep head too), as the engine starts."""
+        params, buffers = self.engine.model.initial_state(self.engine.config.seed)
+        return {k: v.detach().clone() for k, v in {**params, **buffers}.items()}
+
     def global_state(self) -> dict[str, torch.Tensor]:
-        model = self.engine.algorithm.global_model(self.st["server"])
-        assert model is not None
+        """What the server averages: the global model, or (no global model: FedRep) the
+        shared part it keeps."""
+        algorithm, server = self.engine.algorithm, self.st["server"]
+        model = algorithm.global_model(server) if algorithm.has_global_model else None
+        if model is None:
+            model = (server["params"], server["buffers"])
         return {k: v.detach().clone() for k, v in {**model[0], **model[1]}.items()}
 
     def describe(self) -> str:
@@ -305,10 +440,10 @@ class EngineContender(Contender):
 
 # -- FLOPs and peak -------------------------------------------------------------------------------
 def round_flops(wl: Workload) -> float:
-    """FLOPs of one round: ~6 x MACs per sample (forward 2, backward 4) x samples x epochs."""
-    module = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
-    macs = macs_per_sample(module, torch.zeros(INPUT_SHAPE))
-    return 6.0 * macs * wl.clients * wl.samples * wl.epochs
+    """FLOPs of one round: ~6 x MACs per sample (forward 2, backward 4) x samples x epochs
+    (x ``grad_passes`` for the personalized algorithms: an estimate)."""
+    macs = macs_per_sample(make_module(wl), torch.zeros(INPUT_SHAPE))
+    return 6.0 * macs * wl.clients * wl.samples * wl.epochs * wl.grad_passes
 
 
 def matmul_peak(size: int = 2048, repeats: int = 9, device: torch.device = CPU) -> float:
@@ -333,7 +468,7 @@ def matmul_peak(size: int = 2048, repeats: int = 9, device: torch.device = CPU) 
 
 # -- the measurement ------------------------------------------------------------------------
 def probe_loss(wl: Workload, state: dict[str, torch.Tensor], probe: tuple[Any, Any]) -> float:
-    module = build_model(wl.model, INPUT_SHAPE, NUM_CLASSES)
+    module = make_module(wl)
     module.load_state_dict(state)
     module.eval()
     with torch.no_grad():
@@ -352,17 +487,19 @@ def measure_workload(
     repeats: int | None = None,
     eval_too: bool = True,
     device: torch.device = CPU,
+    thread_counts: tuple[int, ...] = THREAD_COUNTS,
 ) -> dict[str, Any]:
     """Time every contender on ``wl`` (warm-up, then repeats interleaved across contenders so
     that background load hits all of them alike) and return the workload's JSON entry."""
     repeats = repeats or wl.repeats
-    log(f"[{wl.name}] {wl.clients} clients x {wl.samples} samples, model {wl.model}")
+    algorithm = "" if not wl.personalized else f", algorithm {wl.algorithm}"
+    log(f"[{wl.name}] {wl.clients} clients x {wl.samples} samples, model {wl.model}{algorithm}")
     data = make_data(wl)
     contenders: list[Contender] = []
     for kind in ("sequential", "vectorized"):
-        contenders += [EngineContender(data, kind, t, device=device) for t in THREAD_COUNTS]
-    init = contenders[0].global_state()
-    contenders += [ReferenceContender(data, init, t, device) for t in THREAD_COUNTS]
+        contenders += [EngineContender(data, kind, t, device=device) for t in thread_counts]
+    init = contenders[0].initial_state()  # type: ignore[attr-defined]
+    contenders += [ReferenceContender(data, init, t, device) for t in thread_counts]
     auto_error = None
     try:
         contenders.append(EngineContender(data, "auto", None, device=device))
@@ -434,6 +571,9 @@ def measure_workload(
         "sanity": sanity,
         "sequential_vs_vectorized_max_abs_diff": seq_vec,
     }
+    if wl.personalized:
+        entry["algorithm"] = dict(wl.algorithm)
+        entry["ratio_sequential_over_best"] = seq[1] / best_s
     if auto_error:
         entry["auto_error"] = auto_error
     if wl.note:
@@ -442,7 +582,7 @@ def measure_workload(
         name: {"target": t, "ratio": entry[_ratio_key(name)], "met": entry[_ratio_key(name)] >= t}
         for name, t in TARGETS.get(wl.name, {}).items()
     }
-    if eval_too:
+    if eval_too and wl.evaluation:
         entry["evaluation"] = measure_evaluation(contenders)
     return entry
 
@@ -472,14 +612,17 @@ def check_sanity(
     """Did every contender's first round (from the same initial model) train the same thing?
 
     Batch orders differ between fedloom and the reference, so models are not equal; but the
-    round's update (global after - initial) should point the same way (cosine), have about the
-    same length, and lower the loss on pooled training samples."""
+    round's update (after - initial) of what the server averages (the global model; FedRep:
+    the body) should point the same way (cosine), have about the same length, and, where the
+    server holds a whole model, lower the loss on pooled training samples."""
     refs = [v for k, v in after.items() if k.startswith("reference")]
-    ref = {k: torch.stack([r[k].float() for r in refs]).mean(0) for k in refs[0]}
-    initial = probe_loss(wl, init, probe)
+    keys = [k for k in init if all(k in state for state in after.values())]
+    ref = {k: torch.stack([r[k].float() for r in refs]).mean(0) for k in keys}
+    whole = len(keys) == len(init)
+    initial = probe_loss(wl, init, probe) if whole else None
 
     def delta(state: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([(state[k].float() - init[k].float()).reshape(-1) for k in init])
+        return torch.cat([(state[k].float() - init[k].float()).reshape(-1) for k in keys])
 
     d_ref = delta(ref)
     rows: dict[str, Any] = {}
@@ -488,14 +631,27 @@ def check_sanity(
         d = delta(state)
         cos = float(F.cosine_similarity(d, d_ref, dim=0))
         norm = float(d.norm() / d_ref.norm().clamp_min(1e-12))
-        loss = probe_loss(wl, state, probe)
-        good = cos > 0.9 and 0.8 < norm < 1.25 and loss < initial
+        good = cos > 0.9 and 0.8 < norm < 1.25
+        loss = None
+        if initial is not None:
+            loss = probe_loss(wl, {k: state[k] for k in keys}, probe)
+            good = good and loss < initial
+            loss = round(loss, 4)
         ok = ok and good
-        rows[label] = {"loss": round(loss, 4), "cos": round(cos, 4), "norm_ratio": round(norm, 4)}
-    return {"initial_loss": round(initial, 4), "after_round_1": rows, "ok": ok}
+        rows[label] = {"loss": loss, "cos": round(cos, 4), "norm_ratio": round(norm, 4)}
+    out: dict[str, Any] = {
+        "initial_loss": None if initial is None else round(initial, 4),
+        "after_round_1": rows,
+        "ok": ok,
+    }
+    if not whole:
+        out["compared"] = "the averaged part only: " + ", ".join(keys)
+    return out
 
 
 def _ratio_key(target: str) -> str:
+    if target == "sequential/auto":
+        return "ratio_sequential_over_best"
     if target.endswith("auto"):
         return "ratio_reference_over_best"
     return "ratio_reference_over_sequential"
@@ -540,14 +696,15 @@ def measure_evaluation(contenders: list[Contender]) -> dict[str, Any]:
 # -- reporting ------------------------------------------------------------------------------
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """The human-readable table (rows: workloads)."""
+    w = max([4, *(len(name) for name in results)])
     head = (
-        f"{'':4} {'reference s':>14} {'sequential s':>14} {'vectorized s':>14} "
+        f"{'':{w}} {'reference s':>14} {'sequential s':>14} {'vectorized s':>14} "
         f"{'auto/best s':>12} {'ref/best':>9} {'ref/seq':>8} {'GFLOP/s':>8} {'peak':>6}"
     )
     lines = [head, "-" * len(head)]
     for name, e in results.items():
         lines.append(
-            f"{name:4} "
+            f"{name:{w}} "
             f"{e['reference_s']:>9.3f} (t{e['reference_threads']}) "
             f"{e['sequential_s']:>9.3f} (t{e['sequential_threads']}) "
             f"{e['vectorized_s']:>9.3f} (t{e['vectorized_threads']}) "
@@ -559,12 +716,12 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     for name, e in results.items():
         lines.append(f"{name} auto/best config: {e['best_config']}")
     lines.append("")
-    lines.append("Targets (reference seconds / fedloom seconds, same run):")
+    lines.append("Targets (seconds of the first named over seconds of the second, same run):")
     for name, e in results.items():
         for target, t in e["targets"].items():
             mark = "met" if t["met"] else "NOT MET"
             lines.append(
-                f"  {name} {target:22} >= {t['target']:>5.1f}x: {t['ratio']:6.2f}x  {mark}"
+                f"  {name} {target:22} >= {t['target']:>5.2f}x: {t['ratio']:6.2f}x  {mark}"
             )
     lines.append("")
     lines.append(
@@ -582,14 +739,18 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     lines.append("Sanity (probe loss after round 1 from the same initial model):")
     for name, e in results.items():
         s = e["sanity"]
+        initial = "n/a" if s["initial_loss"] is None else f"{s['initial_loss']:.4f}"
         lines.append(
             f"  {name}: {'ok' if s['ok'] else 'CHECK FAILED'}; probe loss initial"
-            f" {s['initial_loss']:.4f}; |seq - vec| max"
+            f" {initial}; |seq - vec| max"
             f" {e['sequential_vs_vectorized_max_abs_diff']:.2e}"
         )
+        if "compared" in s:
+            lines.append(f"      compared: {s['compared']}")
         for label, row in s["after_round_1"].items():
+            loss = "n/a" if row["loss"] is None else f"{row['loss']:.4f}"
             lines.append(
-                f"      {label:22} loss {row['loss']:.4f}  cos(update, reference update)"
+                f"      {label:22} loss {loss:>6}  cos(update, reference update)"
                 f" {row['cos']:.3f}  |update|/|reference update| {row['norm_ratio']:.3f}"
             )
     for name, e in results.items():
@@ -605,6 +766,7 @@ def run(
     peak_size: int = 2048,
     on_result: Callable[[str, dict[str, Any]], None] | None = None,
     device: torch.device = CPU,
+    thread_counts: tuple[int, ...] = THREAD_COUNTS,
 ) -> dict[str, dict[str, Any]]:
     """Measure every workload and the matmul peak (before each workload and at the end, the
     highest counts: background load only lowers it); return {workload: entry}."""
@@ -613,7 +775,7 @@ def run(
     for wl in workloads:
         peaks.append(matmul_peak(peak_size, device=device))
         log(f"float32 matmul peak ({peak_size}^2, {device}): {peaks[-1] / 1e9:.1f} GFLOP/s")
-        results[wl.name] = measure_workload(wl, peaks[-1], repeats, eval_too, device)
+        results[wl.name] = measure_workload(wl, peaks[-1], repeats, eval_too, device, thread_counts)
         if on_result:
             on_result(wl.name, results[wl.name])
     peaks.append(matmul_peak(peak_size, device=device))
@@ -627,7 +789,12 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="W1,W2,W3")
+    parser.add_argument(
+        "--workloads",
+        default="W1,W2,W3",
+        help="comma-separated: W1, W2, W3, W1-<algorithm>, W3-<algorithm> (algorithms: "
+        f"{', '.join(PFL_ALGORITHMS)}), or the groups pfl, W1-pfl, W3-pfl",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (W1/W3: 5)")
     parser.add_argument("--w2-repeats", type=int, default=None, help="timed W2 rounds (1)")
     parser.add_argument("--w2-clients", type=int, default=None, help="reduce W2 (default 100)")
@@ -641,9 +808,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    try:
+        selected = select_workloads(args.workloads)
+    except ValueError as err:
+        parser.error(str(err))
     chosen: list[Workload] = []
-    for name in args.workloads.split(","):
-        wl = WORKLOADS[name.strip().upper()]
+    for wl in selected:
         repeats = args.repeats or (2 if args.quick else wl.repeats)
         if wl.name == "W2":
             repeats = args.w2_repeats or (1 if args.quick else wl.repeats)
