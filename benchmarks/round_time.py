@@ -17,15 +17,9 @@ import os
 import statistics
 import sys
 import time
-<<<<<<< HEAD
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
-=======
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
->>>>>>> bench
 from typing import Any
 
 import torch
@@ -37,12 +31,8 @@ from torch import nn
 from fedloom.config import parse_config
 from fedloom.data.federated import FederatedData, from_arrays
 from fedloom.engine.loop import Engine, setup_frozen
-<<<<<<< HEAD
 from fedloom.engine.threads import macs_per_sample, torch_threads
-from fedloom.models import build_model
-=======
 from fedloom.models import MLP, build_model
->>>>>>> bench
 
 SEED = 0
 INPUT_SHAPE = (1, 28, 28)
