@@ -346,7 +346,7 @@ class EngineContender(Contender):
         )
         self.engine = Engine(cfg, data.fed, make_module(wl))
         with threads(n_threads):
-            self.engine.executor.prepare(data.fed.clients)
+            self.engine.executor.prepare(dict(enumerate(data.fed.clients)))
         self.st = self.engine._initial()
         self.rounds = 0
         self.times: list[float] = []

@@ -29,7 +29,7 @@ def engine(executor: dict, train: dict | None = None) -> Engine:
         }
     )
     e = Engine(cfg, data, build_model("logreg", data.input_shape, data.num_outputs))
-    e.executor.prepare(data.clients)
+    e.executor.prepare(dict(enumerate(data.clients)))
     return e
 
 

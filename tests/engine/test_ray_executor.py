@@ -16,10 +16,9 @@ import torch
 
 import fedloom
 from fedloom.algorithms import ALGORITHMS
-from fedloom.config import ExecutorConfig
-from fedloom.core.functional import FunctionalModel
+from fedloom.config import parse_config
 from fedloom.core.protocol import ClientData
-from fedloom.engine import ray_executor
+from fedloom.engine import factory
 from fedloom.engine.ray_executor import RayExecutor, balanced_groups, compact, compact_client
 from fedloom.errors import ConfigError
 from tests.conftest import metrics_without_time
@@ -128,7 +127,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Recorded:
         rec.puts.append(type(value))
         return real_put(value, *args, **kwargs)
 
-    monkeypatch.setattr(ray_executor, "RayExecutor", RecordingExecutor)
+    monkeypatch.setattr(factory, "RayExecutor", RecordingExecutor)  # the one place it is made
     monkeypatch.setattr(ray, "put", put)
     return rec
 
@@ -143,7 +142,7 @@ def test_ray_equals_sequential(cluster: str, recorded: Recorded, algorithm: str)
     (ex,) = recorded.executors
     assert ex.message_puts == ROUNDS
     # the data once, the algorithm once, then one message per round
-    assert recorded.puts[0] is list
+    assert recorded.puts[0] is dict  # every client's data, by client id
     assert len(recorded.puts) == 2 + ROUNDS, recorded.puts
     assert len(set(ex.actor_nodes)) == 2, "one worker on each node"
     assert len(ex.round_nodes) == ROUNDS
@@ -204,16 +203,14 @@ def test_malformed_address() -> None:
 
 
 def test_cuda_is_not_supported_yet() -> None:
-    model = FunctionalModel(torch.nn.Linear(2, 2), "regression")
     with pytest.raises(ConfigError, match=r"executor\.device: 'cuda' is not supported"):
-        RayExecutor(model, ExecutorConfig(kind="ray", device="cuda"))
+        parse_config({"executor": {"kind": "ray", "device": "cuda"}})  # checked at parse time
 
 
 def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    model = FunctionalModel(torch.nn.Linear(2, 2), "regression")
     with pytest.raises(ConfigError, match=r"pip install 'fedloom\[ray\]'"):
-        RayExecutor(model, ExecutorConfig(kind="ray"))
+        parse_config({"executor": {"kind": "ray"}})
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from torch import nn
 
 from fedloom.config import ExecutorConfig
 from fedloom.engine import auto
-from fedloom.engine.executor import SequentialExecutor
 from fedloom.engine.processes import MultiprocessExecutor
+from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import (
     OPENMP_WAIT_VARS,
     SMALL_STEP_MACS,
@@ -198,7 +198,7 @@ def test_worker_processes_run_at_their_thread_count() -> None:
     e = engine({"kind": "sequential"})
     tasks = e.tasks_for_round(1, e.train_ids)[:2]
     pool = MultiprocessExecutor(ThreadReporter(), workers=1, threads=2)
-    pool.prepare(e.data.clients)
+    pool.prepare(dict(enumerate(e.data.clients)))
     try:
         with torch_threads(1):
             assert pool.run_round(e.algorithm, None, tasks, [None, None]) == [2, 2]

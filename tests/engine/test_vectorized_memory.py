@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from fedloom.engine.memory import choose_chunk_size, client_footprint, parse_bytes
+from fedloom.config import parse_bytes, parse_config
+from fedloom.engine.memory import choose_chunk_size, client_footprint
 from fedloom.errors import ConfigError
 
 PROBE = textwrap.dedent(
@@ -32,7 +33,7 @@ PROBE = textwrap.dedent(
     torch.set_num_threads(1)
     engine = Engine(cfg, data, build_model("mlp", data.input_shape, data.num_outputs))
     ex = engine.executor
-    ex.prepare(data.clients)
+    ex.prepare(dict(enumerate(data.clients)))
     st = engine._initial()
     tasks = engine.tasks_for_round(1, list(range(64)))
     message = engine.algorithm.server_message(st["server"])
@@ -86,5 +87,5 @@ def test_memory_budget_parsing():
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("512MB") == 512 * 10**6
     assert parse_bytes(1000) == 1000
-    with pytest.raises(ConfigError, match="memory_budget"):
-        parse_bytes("lots")
+    with pytest.raises(ConfigError, match="memory_budget"):  # checked once, at parse time
+        parse_config({"executor": {"kind": "vectorized", "memory_budget": "lots"}})

@@ -21,9 +21,9 @@ from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
-from fedloom.engine.executor import SequentialExecutor
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.processes import MultiprocessExecutor
+from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import torch_threads
 from fedloom.engine.vectorized import VectorizedExecutor
 from fedloom.errors import ConfigError
@@ -63,7 +63,7 @@ class AutoExecutor:
         """'sequential/threads=T', 'vectorized/threads=T' or 'processes=N/threads=1'."""
         self.timings: dict[str, float] = {}
 
-    def prepare(self, clients: list[ClientData]) -> None:
+    def prepare(self, clients: dict[int, ClientData]) -> None:
         for executor in (self.vectorized, self.processes):
             if executor is not None:
                 executor.prepare(clients)

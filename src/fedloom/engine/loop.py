@@ -26,7 +26,7 @@ from fedloom.core.functional import FunctionalModel
 from fedloom.core.rng import generator, seed_for
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.engine.cold_start import adaptation_curve
-from fedloom.engine.executor import make_executor
+from fedloom.engine.factory import make_executor
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.engine.monitoring import (
     HETEROGENEITY_FILE,
@@ -302,7 +302,9 @@ class Engine:
 
     def run(self, resume: bool = False) -> RunResult:
         with torch_threads(self._threads()):
-            clients = list(self.data.clients) + ([self._pooled] if self._pooled is not None else [])
+            clients = dict(enumerate(self.data.clients))
+            if self._pooled is not None:
+                clients[POOLED_CLIENT] = self._pooled
             self.executor.prepare(clients)
             self._open_trackers = self._trackers()
             try:

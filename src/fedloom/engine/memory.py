@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
-
-from fedloom.errors import ConfigError
 
 MALLOC_MMAP_THRESHOLD = 32 * 2**20
 """glibc serves allocations above 32 MiB (its dynamic mmap threshold's ceiling) with fresh
 mmap'd pages, which are page-faulted again on every step: a stacked per-chunk tensor above this
 size makes each step pay for zeroing new memory. Chunks are kept below it."""
-
-DEFAULT_BUDGET = 2 * 2**30
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _malloc_tuned: bool | None = None
@@ -38,36 +32,6 @@ def keep_large_blocks_in_heap() -> bool:
         except (OSError, AttributeError):
             _malloc_tuned = False
     return _malloc_tuned
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-}
-
-
-def parse_bytes(text: str | int | None) -> int:
-    """'2GB', '512MiB', '1e9' or an int -> bytes (None: the 2 GiB default)."""
-    if text is None:
-        return DEFAULT_BUDGET
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ConfigError(
-            f"executor.memory_budget: cannot read {text!r}; write e.g. '512MB' or '2GiB'"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def activation_bytes_per_sample(module: nn.Module, sample: torch.Tensor) -> int:

@@ -30,11 +30,11 @@ _WORKER: dict[str, Any] = {}
 def _run_group(
     algorithm: Algorithm,
     message: Message,
-    orders: list[tuple[int, ClientTask]],
+    orders: list[ClientTask],
     states: list[State | None],
 ) -> list[ClientResult]:
-    clients: list[ClientData] = _WORKER["clients"]
-    tasks = [replace(task, data=clients[index]) for index, task in orders]
+    clients: dict[int, ClientData] = _WORKER["clients"]
+    tasks = [replace(task, data=clients[task.client_id]) for task in orders]
     return _WORKER["inner"].run_round(algorithm, message, tasks, states)
 
 
@@ -47,14 +47,12 @@ class MultiprocessExecutor:
         self.threads = threads
         self.name = inner.name
         self._pool: ProcessPoolExecutor | None = None
-        self._index: dict[int, int] = {}
-        self._clients: list[ClientData] = []
+        self._clients: dict[int, ClientData] = {}
 
-    def prepare(self, clients: list[ClientData]) -> None:
-        """Remember the clients; the workers are forked at the first round."""
+    def prepare(self, clients: dict[int, ClientData]) -> None:
+        """Remember the clients by id; the workers are forked at the first round."""
         self.inner.prepare(clients)
-        self._clients = clients
-        self._index = {id(c): i for i, c in enumerate(clients)}
+        self._clients = dict(clients)
 
     def _start(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -80,7 +78,8 @@ class MultiprocessExecutor:
         tasks: list[ClientTask],
         states: list[State | None],
     ) -> list[ClientResult]:
-        if any(id(t.data) not in self._index for t in tasks):
+        if any(self._clients.get(t.client_id) is not t.data for t in tasks):
+            # data the workers were not forked with: run here
             return self.inner.run_round(algorithm, message, tasks, states)
         pool = self._start()
         groups = balanced_groups([len(algorithm.client_plan(t)) for t in tasks], self.workers)
@@ -89,7 +88,7 @@ class MultiprocessExecutor:
                 _run_group,
                 algorithm,
                 message,
-                [(self._index[id(tasks[i].data)], replace(tasks[i], data=None)) for i in group],
+                [replace(tasks[i], data=None) for i in group],
                 [states[i] for i in group],
             )
             for group in groups

@@ -64,9 +64,8 @@ def compact_client(c: ClientData) -> ClientData:
 
 @dataclass(frozen=True)
 class LightTask:
-    """A ClientTask without its data: the worker looks the data up by ``data_index``."""
+    """A ClientTask without its data: the worker looks the data up by ``client_id``."""
 
-    data_index: int
     client_id: int
     plan: list[torch.Tensor]
     lr: float
@@ -79,7 +78,7 @@ class RayWorker:
 
     def __init__(
         self,
-        clients: list[ClientData],
+        clients: dict[int, ClientData],
         threads: int,
         chunk_size: int | None,
         memory_budget: str | None,
@@ -104,7 +103,7 @@ class RayWorker:
         resolve it on every call) and the executor that runs it here."""
         import ray
 
-        from fedloom.engine.executor import SequentialExecutor
+        from fedloom.engine.sequential import SequentialExecutor
 
         ref = boxed_algorithm[0]
         if ref.hex() != self._algorithm_key:
@@ -131,7 +130,7 @@ class RayWorker:
         """Run one group of client updates; returns (node id, results in task order)."""
         algorithm, inner = self._load(boxed_algorithm)
         full = [
-            ClientTask(t.client_id, self.clients[t.data_index], t.plan, t.lr, t.round, t.full)
+            ClientTask(t.client_id, self.clients[t.client_id], t.plan, t.lr, t.round, t.full)
             for t in tasks
         ]
         results = inner.run_round(algorithm, message, full, states)
@@ -165,26 +164,14 @@ class RayExecutor:
     name = "ray"
 
     def __init__(self, model: FunctionalModel, config: ExecutorConfig) -> None:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "executor.kind: 'ray' needs Ray, an optional extra that is not installed: "
-                "pip install 'fedloom[ray]' (or choose executor.kind: auto, sequential or "
-                "vectorized)"
-            ) from None
-        if config.device != "cpu":
-            raise ConfigError(
-                f"executor.device: '{config.device}' is not supported by the Ray executor yet "
-                "(it trains on the CPU); use device: cpu, or the vectorized executor on a GPU"
-            )
+        # parse_config checked that Ray is installed and that the device is the CPU
         self.model = model
         self.config = config
         self.started_ray = False
         self.actors: list[Any] = []
         self.actor_nodes: list[str] = []
         self._data_ref: Any = None
-        self._data_index: dict[int, int] = {}
+        self._clients: dict[int, ClientData] = {}
         self._algorithm: Algorithm | None = None
         self._algorithm_ref: Any = None
         self.message_puts = 0
@@ -220,7 +207,7 @@ class RayExecutor:
             )
         self.started_ray = True
 
-    def prepare(self, clients: list[ClientData]) -> None:
+    def prepare(self, clients: dict[int, ClientData]) -> None:
         """Connect to (or start) Ray, put the clients' data once, start the workers."""
         try:
             self._prepare(clients)
@@ -228,12 +215,12 @@ class RayExecutor:
             self.close()  # the engine only closes an executor that prepared successfully
             raise
 
-    def _prepare(self, clients: list[ClientData]) -> None:
+    def _prepare(self, clients: dict[int, ClientData]) -> None:
         import ray
 
         data_bytes = sum(
             t.numel() * t.element_size()
-            for c in clients
+            for c in clients.values()
             for t in (c.x_train, c.y_train, c.x_test, c.y_test)
         )
         self._connect(data_bytes)
@@ -244,8 +231,8 @@ class RayExecutor:
                 f"executor.workers: {workers} workers need {workers} CPUs, but the Ray cluster "
                 f"has {cluster_cpus}; lower executor.workers or add nodes"
             )
-        self._data_index = {id(c): i for i, c in enumerate(clients)}
-        self._data_ref = ray.put([compact_client(c) for c in clients])
+        self._clients = dict(clients)
+        self._data_ref = ray.put({cid: compact_client(c) for cid, c in clients.items()})
         remote = ray.remote(num_cpus=1)(RayWorker)
         self.actors = [
             remote.remote(
@@ -308,12 +295,11 @@ class RayExecutor:
         self.message_puts += 1
         light = []
         for t in tasks:
-            index = self._data_index.get(id(t.data))
-            if index is None:
+            if self._clients.get(t.client_id) is not t.data:
                 raise RuntimeError(
                     f"client {t.client_id}'s data was not given to RayExecutor.prepare()"
                 )
-            light.append(LightTask(index, t.client_id, compact(t.plan), t.lr, t.round, t.full))
+            light.append(LightTask(t.client_id, compact(t.plan), t.lr, t.round, t.full))
         groups = balanced_groups([max(1, len(t.plan)) for t in tasks], len(self.actors))
         futures = [
             actor.run.remote(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.config import parse_bytes
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
@@ -21,7 +22,6 @@ from fedloom.engine.memory import (
     choose_chunk_size,
     client_footprint,
     keep_large_blocks_in_heap,
-    parse_bytes,
 )
 from fedloom.engine.metrics import EvalCounts
 from fedloom.errors import ConfigError
@@ -61,7 +61,7 @@ class VectorizedExecutor:
         self._arena: Arena | None = None
         self._heap_tuned = keep_large_blocks_in_heap()
 
-    def prepare(self, clients: list[ClientData]) -> None:
+    def prepare(self, clients: dict[int, ClientData]) -> None:
         """Concatenate every client's training data once into one arena, so that a step's
         minibatches for a whole chunk are a single gather."""
         self._arena = Arena(clients, self.device)
@@ -120,11 +120,10 @@ class VectorizedExecutor:
         # inside a chunk the clients still training at step s are always a prefix.
         steps = [plan_steps(p) for p in plans]
         order = sorted(range(len(tasks)), key=lambda i: -steps[i])
-        datas = [t.data for t in tasks]
         arena = (
             self._arena
-            if self._arena is not None and self._arena.holds(datas)
-            else Arena(datas, self.device)
+            if self._arena is not None and self._arena.holds(tasks)
+            else Arena({t.client_id: t.data for t in tasks}, self.device)
         )
         runner = ChunkRunner(program, arena, self.device, self.has_norm)
         shared_cpu = program.shared(message, tasks[0])

@@ -15,6 +15,7 @@ tensor of arena rows per named plan, and each step gathers its minibatches with
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,26 +122,29 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 class Arena:
-    """Every client's training samples concatenated once; a client is an offset into it."""
+    """Every client's training samples concatenated once; a client is an offset into it,
+    looked up by its client id."""
 
-    def __init__(self, clients: list[ClientData], device: torch.device | None = None) -> None:
+    def __init__(
+        self, clients: Mapping[int, ClientData], device: torch.device | None = None
+    ) -> None:
+        self.clients = dict(clients)
         self.offsets: dict[int, int] = {}
         xs, ys, offset = [], [], 0
-        for data in clients:
-            if id(data) in self.offsets:
-                continue
-            self.offsets[id(data)] = offset
+        for client_id, data in self.clients.items():
+            self.offsets[client_id] = offset
             xs.append(data.x_train)
             ys.append(data.y_train)
             offset += data.num_train
         self.x = (torch.cat(xs) if xs else torch.empty(0)).to(device or "cpu")
         self.y = (torch.cat(ys) if ys else torch.empty(0)).to(device or "cpu")
 
-    def holds(self, clients: list[ClientData]) -> bool:
-        return all(id(d) in self.offsets for d in clients)
+    def holds(self, tasks: list[ClientTask]) -> bool:
+        """Whether every task's data is the data registered under its client id."""
+        return all(self.clients.get(t.client_id) is t.data for t in tasks)
 
     def batch_index(
-        self, clients: list[ClientData], plans: list[list[torch.Tensor]]
+        self, client_ids: list[int], plans: list[list[torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(steps, clients, width) arena rows and 0/1 sample weights for the chunk's plans
         (padding rows point at row 0 with weight 0), and the (steps, clients) minibatch sizes
@@ -160,7 +164,7 @@ class Arena:
         client_of = torch.repeat_interleave(torch.arange(len(plans)), steps_t)
         first = torch.cumsum(steps_t, 0) - steps_t
         step_of = torch.arange(len(batches)) - torch.repeat_interleave(first, steps_t)
-        offsets = torch.tensor([self.offsets[id(d)] for d in clients])
+        offsets = torch.tensor([self.offsets[c] for c in client_ids])
         lengths = torch.tensor(lens)
         rows = torch.cat(batches)
         sizes[step_of, client_of] = lengths
@@ -209,11 +213,11 @@ class ChunkRunner:
         leaves, spec = stack_carries(
             [program.init(message, s, t) for s, t in zip(states, tasks, strict=True)], dev
         )
-        datas = [t.data for t in tasks]
+        ids = [t.client_id for t in tasks]
         index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for name in plans[0]:
             padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
-            rows, weight, sizes = self.arena.batch_index(datas, padded)
+            rows, weight, sizes = self.arena.batch_index(ids, padded)
             index[name] = (rows.to(dev), weight.to(dev), sizes)
         buffers = self._gather_buffers(index, num)
         sums: dict[str, dict[str, torch.Tensor]] = {u.name: {} for u in program.updates}
