@@ -18,7 +18,8 @@ Policies:
   torch's default thread count (all cores);
 - ``fedloom``: today's defaults: no OpenMP variable set (fedloom then sets
   ``OMP_WAIT_POLICY=PASSIVE``) and ``executor.threads: null``;
-- ``passive/threads=all``, ``old-wait/threads=1``: one change at a time.
+- ``passive/threads=all``, ``old-wait/threads=1``, ``spin10k/threads=all`` and
+  ``spin100k/threads=all`` (``GOMP_SPINCOUNT`` 10,000 and 100,000): one change at a time.
 
 Usage: ``python benchmarks/contention.py [--rounds 5] [--timeout 180] [--executor sequential]
 [--policies old,fedloom] [--backgrounds quiet,spin,torch]``. The last line of stdout is one
