@@ -349,6 +349,7 @@ def test_a_forged_tree_is_a_checkpoint_error(tmp_path, tree):
         read_checkpoint(path)
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names fds via /proc (Linux)")
 def test_each_file_is_fsynced_before_its_rename(tmp_path, monkeypatch):
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
