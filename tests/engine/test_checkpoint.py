@@ -4,6 +4,7 @@ damaged newest checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from fedloom.data import load_dataset
 from fedloom.engine.checkpoint import (
     CheckpointError,
     CheckpointWarning,
+    _manifest_sha256,
     encode,
     read_checkpoint,
     write_checkpoint,
@@ -103,12 +105,15 @@ def every_kind() -> dict[str, Any]:
         "bytes": b"\x00\xff",
         "numpy": {
             "array": np.arange(6, dtype=np.int16).reshape(2, 3),
+            # converted values are temporaries while writing: none may take another's place
+            "arrays": [np.full(3, i) for i in range(20)],
             "f64": np.float64(0.1),
             "i32": np.int32(-5),
             "bool": np.bool_(True),
             "nan": np.float32("nan"),
         },
         "generator": generator,
+        "generators": [torch.Generator().manual_seed(i) for i in range(20)],
         "torch_meta": [torch.float32, torch.Size([2, 3]), torch.device("cpu")],
         "history": [{"round": 2, "train_loss": None, "client_accuracy": {0: 0.5, 1: 1.0}}],
     }
@@ -284,44 +289,67 @@ class Boom:
         return (Path.touch, (self.marker,))
 
 
-def test_a_malicious_pickle_is_never_executed(finished_run, tmp_path, monkeypatch):
-    marker = tmp_path / "pwned"
-    evil = pickle.dumps({"server": Boom(marker)})
-    # an old-style pickle checkpoint only: refused, not loaded
-    legacy = RunDir.create(tmp_path / "legacy")
-    (legacy.checkpoint_dir / "round_000009.pt").write_bytes(evil)
-    with pytest.raises(RunDirError, match=r"round_000009\.pt.*arbitrary code"):
-        legacy.latest_checkpoint()
-    # a pickle posing as the tensor file, with a manifest whose checksums match it
-    run = copy_run(finished_run, tmp_path / "run")
-    tensors = run.checkpoint_dir / "round_000004.safetensors"
-    torch.save({"server": Boom(marker)}, tensors)
-    import hashlib
-
-    manifest_path = run.checkpoint_path(4)
+def reseal(manifest_path: Path, tree: Any = None) -> None:
+    """Make the manifest's checksums match its tensor file as it is now (and set its tree): a
+    forger's checkpoint, which only the decoder stands between and the loaded state."""
+    tensors = manifest_path.with_suffix(".safetensors")
     manifest = json.loads(manifest_path.read_text())
     manifest["tensors"].update(
         sha256=hashlib.sha256(tensors.read_bytes()).hexdigest(), bytes=tensors.stat().st_size
     )
-    from fedloom.engine.checkpoint import _manifest_sha256
-
+    if tree is not None:
+        manifest["tree"] = tree
     manifest["sha256"] = _manifest_sha256(manifest)
     manifest_path.write_text(json.dumps(manifest))
 
-    # and no pickle path at all: loading a good checkpoint never reaches the unpickler
+
+def test_a_malicious_pickle_is_never_executed(finished_run, tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    # an old-style pickle checkpoint only: refused, not loaded
+    legacy = RunDir.create(tmp_path / "legacy")
+    (legacy.checkpoint_dir / "round_000009.pt").write_bytes(pickle.dumps({"x": Boom(marker)}))
+    with pytest.raises(RunDirError, match=r"round_000009\.pt.*arbitrary code"):
+        legacy.latest_checkpoint()
+    # a pickle posing as the tensor file, with a manifest whose checksums match it
+    run = copy_run(finished_run, tmp_path / "run")
+    torch.save({"server": Boom(marker)}, run.checkpoint_dir / "round_000004.safetensors")
+    reseal(run.checkpoint_path(4))
+
+    # and no pickle path at all: loading never reaches an unpickler
     def refuse(*args, **kwargs):
         raise AssertionError("a checkpoint was unpickled")
 
     for name in ("load", "loads", "Unpickler"):
         monkeypatch.setattr(pickle, name, refuse)
     monkeypatch.setattr(torch, "load", refuse)
-    with pytest.raises(CheckpointError, match=r"round_000004\.safetensors"):
-        run.read_checkpoint(manifest_path)
+    with pytest.raises(CheckpointError, match=r"round_000004\.safetensors.*not a safetensors"):
+        run.read_checkpoint(run.checkpoint_path(4))
     with pytest.warns(CheckpointWarning):
         assert run.latest_checkpoint()["round"] == 2
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"server": {"$tensor": "no/such/key"}},
+        {"g": {"$generator": "w", "device": "no-such-device"}},
+        {"x": {"$npscalar": "O", "value": 1}},
+        {"x": {"$dtype": "nn"}},
+        {"x": {"$tuple": [], "$set": []}},
+        {"x": {"$eval": "__import__('os')"}},
+        {"x": {"$dict": [[1]]}},
+        [1, 2],
+    ],
+)
+def test_a_forged_tree_is_a_checkpoint_error(tmp_path, tree):
+    path = write_checkpoint(tmp_path / "round_000001.json", {"w": torch.ones(2)})
+    reseal(path, tree)
+    with pytest.raises(CheckpointError, match=r"round_000001\.json"):
+        read_checkpoint(path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names fds via /proc (Linux)")
 def test_each_file_is_fsynced_before_its_rename(tmp_path, monkeypatch):
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace

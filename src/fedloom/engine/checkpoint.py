@@ -65,6 +65,7 @@ class _Encoder:
         self.tensors: dict[str, torch.Tensor] = {}
         self._by_id: dict[int, str] = {}  # the same tensor object twice: one entry, one object
         self._storages: set[tuple[str, int]] = set()
+        self._alive: list[torch.Tensor] = []  # so no id() or storage address is reused meanwhile
 
     def tensor(self, value: torch.Tensor, path: tuple[str, ...]) -> str:
         if id(value) in self._by_id:
@@ -80,6 +81,7 @@ class _Encoder:
         self._storages.add((str(data.device), data.untyped_storage().data_ptr()))
         self.tensors[unique] = data.contiguous()
         self._by_id[id(value)] = unique
+        self._alive.append(value)
         return unique
 
     def encode(self, value: Any, path: tuple[str, ...]) -> Any:
@@ -180,7 +182,10 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if tag == "$ndarray":
         return tensors[body].numpy()
     if tag == "$npscalar":
-        return np.dtype(body).type(decode(tree["value"], tensors))
+        dtype = np.dtype(body)
+        if dtype.hasobject:
+            raise ValueError(f"numpy scalar of object dtype {body!r}")
+        return dtype.type(decode(tree["value"], tensors))
     if tag == "$generator":
         generator = torch.Generator(tree["device"])
         generator.set_state(tensors[body])
@@ -283,7 +288,9 @@ def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
         raise bad(manifest_path, f"version {manifest.get('version')!r}, expected {VERSION}")
     if manifest.get("sha256") != _manifest_sha256(manifest):
         raise bad(manifest_path, "SHA-256 of the manifest does not match")
-    expected = manifest["tensors"]
+    expected = manifest.get("tensors")
+    if not isinstance(expected, dict) or not {"file", "sha256", "bytes"} <= set(expected):
+        raise bad(manifest_path, "no record of its tensor file")
     if expected["file"] != tensor_path.name:
         raise bad(manifest_path, f"names tensor file {expected['file']!r}")
     if not tensor_path.is_file():
@@ -295,9 +302,14 @@ def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
         raise bad(tensor_path, "SHA-256 does not match the manifest's")
     try:
         tensors = load_file(tensor_path)
-        payload = decode(manifest["tree"], tensors)
-    except (SafetensorError, KeyError, ValueError, TypeError) as err:
-        raise bad(tensor_path, f"{type(err).__name__}: {err}") from None
+    except SafetensorError as err:
+        raise bad(tensor_path, f"not a safetensors file ({err})") from None
+    try:
+        payload = decode(manifest.get("tree"), tensors)
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as err:
+        raise bad(
+            manifest_path, f"its tree does not decode ({type(err).__name__}: {err})"
+        ) from None
     if not isinstance(payload, dict):
         raise bad(manifest_path, "the payload is not a dict")
     return payload
