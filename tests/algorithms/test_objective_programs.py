@@ -163,6 +163,26 @@ def test_objectives_ignore_padding_and_vmap_equals_one_client_at_a_time(name):
     assert float(moved) > 1e-4
 
 
+@pytest.mark.parametrize("name", sorted(ACTIVE))
+def test_fused_sequential_path_equals_stepping_through_the_program(name):
+    # run_lean (the lean flat-buffer trainer) against the program's own step, one client
+    algo, message, states = active_round(name)
+    program = algo.client_program()
+    (data,) = digits_clients([27])
+    plan = algo.ctx.make_plan(data, 5, "batches", 2, 1)  # batches of 8, 8, 8, 3, 8
+    task = ClientTask(1, data, plan, 0.1, 2)
+    fused = algo.client_update(message, states[1], task)
+    program.run_lean = lambda *args: None  # the sequential backend steps through ``updates``
+    stepped = algo.client_update(message, states[1], task)
+    assert fused.loss == pytest.approx(stepped.loss, rel=1e-5)
+    model = (fused.state or fused.upload)["params"]
+    other = (stepped.state or stepped.upload)["params"]
+    for k, value in model.items():
+        assert torch.allclose(value, other[k], atol=1e-5), k
+    start = (states[1] or message)["params"]  # FedProto starts from the client's own model
+    assert max(float((v - start[k]).abs().max()) for k, v in model.items()) > 1e-3
+
+
 # -- FedGen's draws ---------------------------------------------------------------------------
 def test_fedgen_steps_use_each_steps_draws_from_the_clients_stream():
     algo, message, _ = active_round("fedgen")

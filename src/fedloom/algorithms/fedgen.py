@@ -414,6 +414,11 @@ class FedGenProgram(ObjectiveProgram):
             loss = loss + cfg.latent_beta * batch.mean(kl)
         return loss
 
+    def at_step(self, carry: Carry, step: int) -> Carry:
+        if NOISE not in carry:
+            return carry
+        return {**carry, NOISE: {**carry[NOISE], "step": torch.tensor(step)}}
+
     def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
     ) -> tuple[Carry, dict]:

@@ -35,6 +35,8 @@ from fedloom.algorithms.base import Algorithm, SGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.objective_sgd import Batch as LeanBatch
+from fedloom.solvers.objective_sgd import objective_sgd
 from fedloom.solvers.program import Batch, Carry, Ops
 from fedloom.solvers.steps import descend
 
@@ -65,7 +67,44 @@ class ObjectiveProgram(SGDProgram):
     def run_lean(
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult | None:
-        return None if self.regularized(message) else self.lean_sgd(message, state, task)
+        """The sequential backend's fused path: the same steps on the lean flat-buffer trainer
+        (:func:`fedloom.solvers.objective_sgd.objective_sgd`, 2-3x faster per step than
+        stepping through ``step`` for the 2NN), the objective seeing the trainer's parameters
+        and a minibatch of real samples."""
+        if not self.regularized(message):
+            return self.lean_sgd(message, state, task)
+        carry = self.init(message, state, task)
+        shared = self.shared(message, task)
+        ones: dict[int, torch.Tensor] = {}
+
+        def objective(lean: LeanBatch) -> torch.Tensor:
+            n = lean.y.shape[0]
+            if n not in ones:
+                ones[n] = torch.ones(n)
+            batch = Batch(lean.x, lean.y, ones[n])
+            params = lean.lean.views
+            return self.objective(
+                params, lean.out, lean.features, batch, self.at_step(carry, lean.step), shared
+            )
+
+        data = task.data
+        solved = objective_sgd(
+            self.model,
+            carry["params"],
+            carry["buffers"],
+            data.x_train,
+            data.y_train,
+            self.algorithm.client_plan(task),
+            shared["lr"],
+            objective,
+            head=self.head,
+        )
+        return self.algorithm.local_finish(message, state, task, solved)
+
+    def at_step(self, carry: Carry, step: int) -> Carry:
+        """The carry as ``step`` (0-based) of the client's steps sees it, on the fused path
+        (default: the carry itself; FedGen sets its step counter)."""
+        return carry
 
     def objective(
         self,
