@@ -68,9 +68,9 @@ class ObjectiveProgram(SGDProgram):
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult | None:
         """The sequential backend's fused path: the same steps on the lean flat-buffer trainer
-        (:func:`fedloom.solvers.objective_sgd.objective_sgd`, 2-3x faster per step than
-        stepping through ``step`` for the 2NN), the objective seeing the trainer's parameters
-        and a minibatch of real samples."""
+        (:func:`fedloom.solvers.objective_sgd.objective_sgd`, cheaper per step than stepping
+        through ``step``), the objective seeing the trainer's parameters and a minibatch of
+        real samples."""
         if not self.regularized(message):
             return self.lean_sgd(message, state, task)
         carry = self.init(message, state, task)
