@@ -31,6 +31,7 @@ from torch import nn
 from fedloom.config import parse_config
 from fedloom.data.federated import FederatedData, from_arrays
 from fedloom.engine.loop import Engine, setup_frozen
+from fedloom.engine.state import RunState
 from fedloom.engine.threads import macs_per_sample, torch_threads
 from fedloom.models import MLP, build_model
 
@@ -305,7 +306,7 @@ class ReferenceContender(Contender):
 
 
 class EngineContender(Contender):
-    """fedloom's Engine with one executor kind; times ``engine._one_round`` (sampling, plans,
+    """fedloom's Engine with one executor kind; times ``engine.train_round`` (sampling, plans,
     client work, aggregation; no evaluation)."""
 
     def __init__(
@@ -347,7 +348,7 @@ class EngineContender(Contender):
         self.engine = Engine(cfg, data.fed, make_module(wl))
         with threads(n_threads):
             self.engine.executor.prepare(dict(enumerate(data.fed.clients)))
-        self.st = self.engine._initial()
+        self.st = self.engine.initial_state()
         self.rounds = 0
         self.times: list[float] = []
 
@@ -356,13 +357,13 @@ class EngineContender(Contender):
         engine, k = self.engine, self.data.workload.warmup_clients
         with threads(self.threads):
             start = time.perf_counter()
-            if k is None:
-                engine._one_round(0, self.st["server"], self.st["clients"], dict(self.st))
+            if k is None:  # a throwaway copy of the state
+                engine.train_round(0, RunState(self.st.server, engine.new_store()))
             else:
                 ids = engine.train_ids[:k]
                 tasks = engine.tasks_for_round(0, ids)
-                states = [engine.algorithm.init_client_state(self.st["server"], c) for c in ids]
-                message = engine.algorithm.server_message(self.st["server"])
+                states = [engine.algorithm.init_client_state(self.st.server, c) for c in ids]
+                message = engine.algorithm.server_message(self.st.server)
                 engine.executor.run_round(engine.algorithm, message, tasks, states)
             return time.perf_counter() - start
 
@@ -370,12 +371,9 @@ class EngineContender(Contender):
         self.rounds += 1
         with threads(self.threads):
             start = time.perf_counter()
-            server, states, st = self.engine._one_round(
-                self.rounds, self.st["server"], self.st["clients"], self.st
-            )
+            self.engine.train_round(self.rounds, self.st)  # moves self.st to the round's end
             sync(self.device)
             elapsed = time.perf_counter() - start
-        self.st = {**st, "server": server, "clients": states}
         self.times.append(elapsed)
         return elapsed
 
@@ -392,7 +390,7 @@ class EngineContender(Contender):
     def global_state(self) -> dict[str, torch.Tensor]:
         """What the server averages: the global model, or (no global model: FedRep) the
         shared part it keeps."""
-        algorithm, server = self.engine.algorithm, self.st["server"]
+        algorithm, server = self.engine.algorithm, self.st.server
         model = algorithm.global_model(server) if algorithm.has_global_model else None
         if model is None:
             model = (server["params"], server["buffers"])
@@ -421,10 +419,10 @@ class EngineContender(Contender):
             return time.perf_counter() - start
 
     def evaluate(self) -> float:
-        """Seconds of ``Engine.evaluate`` of every client (global and deployed models)."""
+        """Seconds of the engine's evaluation of every client (global and deployed models)."""
         with threads(self.threads):
             start = time.perf_counter()
-            self.engine.evaluate(self.st["server"], self.st["clients"], self.rounds)
+            self.engine.evaluation.evaluate(self.engine, self.st, self.rounds)
             return time.perf_counter() - start
 
 
@@ -670,7 +668,7 @@ def measure_evaluation(contenders: list[Contender]) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"global_eval_s": min(fastest["sequential"].evaluate() for _ in range(2))}
     c0 = fastest["sequential"]
-    params, buffers = c0.engine.algorithm.global_model(c0.st["server"]) or ({}, {})
+    params, buffers = c0.engine.algorithm.global_model(c0.st.server) or ({}, {})
     gen = torch.Generator().manual_seed(SEED)
     models = [
         ({k: v + 1e-3 * torch.randn(v.shape, generator=gen) for k, v in params.items()}, buffers)

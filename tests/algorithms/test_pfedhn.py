@@ -188,7 +188,7 @@ def test_generated_models_improve_on_their_clients_data():
     data = load_dataset(cfg.data, cfg.seed)
     engine = Engine(cfg, data, build_model(cfg.model.name, data.input_shape, data.num_outputs))
     algo, model = engine.algorithm, engine.model
-    server = engine._initial()["server"]
+    server = engine.initial_state().server
     result = fedloom.run(config, write=False, progress=False)
     before, after = [], []
     for c in engine.train_ids:

@@ -34,9 +34,9 @@ def engine(executor: dict, train: dict | None = None) -> Engine:
 
 
 def first_round(e: Engine) -> None:
-    st = e._initial()
+    st = e.initial_state()
     tasks = e.tasks_for_round(1, e.train_ids)
-    message = e.algorithm.server_message(st["server"])
+    message = e.algorithm.server_message(st.server)
     e.executor.run_round(e.algorithm, message, tasks, [None] * len(tasks))
 
 

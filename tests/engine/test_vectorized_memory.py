@@ -34,9 +34,9 @@ PROBE = textwrap.dedent(
     engine = Engine(cfg, data, build_model("mlp", data.input_shape, data.num_outputs))
     ex = engine.executor
     ex.prepare(dict(enumerate(data.clients)))
-    st = engine._initial()
+    st = engine.initial_state()
     tasks = engine.tasks_for_round(1, list(range(64)))
-    message = engine.algorithm.server_message(st["server"])
+    message = engine.algorithm.server_message(st.server)
     size = ex.chunk_size(tasks, 64)
     def status(key):
         for line in open("/proc/self/status"):

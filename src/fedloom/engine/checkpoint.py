@@ -301,7 +301,10 @@ def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
     if sha != expected["sha256"]:
         raise bad(tensor_path, "SHA-256 does not match the manifest's")
     try:
-        tensors = load_file(tensor_path)
+        # each tensor in memory of its own (aligned as torch aligns fresh tensors): the loaded
+        # ones share one buffer at byte offsets, and kernels that see other alignments may sum
+        # in another order (1-ulp differences from the run that wrote them)
+        tensors = {k: v.clone() for k, v in load_file(tensor_path).items()}
     except SafetensorError as err:
         raise bad(tensor_path, f"not a safetensors file ({err})") from None
     try:
@@ -313,3 +316,4 @@ def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise bad(manifest_path, "the payload is not a dict")
     return payload
+

@@ -15,33 +15,30 @@ import torch
 from fedloom.algorithms import (
     Algorithm,
     AlgorithmContext,
-    ClientResult,
     ClientTask,
     build_algorithm,
 )
-from fedloom.algorithms.base import Message, State
+from fedloom.algorithms.base import Message
 from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.rng import generator, seed_for
 from fedloom.data.federated import ClientData, FederatedData
-from fedloom.engine.cold_start import adaptation_curve
-from fedloom.engine.factory import make_executor
-from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
-from fedloom.engine.monitoring import (
-    HETEROGENEITY_FILE,
-    feature_js,
-    gradient_dissimilarity,
-    label_kl,
-    update_statistics,
+from fedloom.engine.callbacks import (
+    Callback,
+    Checkpointing,
+    ColdStart,
+    Evaluation,
+    HealthMonitor,
+    MetricsLog,
+    PrivacyAccounting,
 )
+from fedloom.engine.factory import make_executor
 from fedloom.engine.nonfinite import screen
-from fedloom.engine.progress import RoundProgress
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import sample_clients
+from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
-from fedloom.engine.tracking import Tracker, make_trackers
 from fedloom.engine.workload import full_budget, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
@@ -78,6 +75,8 @@ def pooled_client(data: FederatedData, ids: list[int]) -> ClientData:
 
 
 class Engine:
+    """One run: the round loop (``train_round``) and the callbacks around it."""
+
     def __init__(
         self,
         config: RunConfig,
@@ -87,7 +86,10 @@ class Engine:
         progress: bool = False,
         upload_transforms: list[UploadTransform] | None = None,
         aggregator: Aggregator = pytree.weighted_average,
+        callbacks: list[Callback] | None = None,
     ) -> None:
+        """``callbacks`` run after the built-in evaluation, monitoring and privacy accounting
+        and before the metrics log and checkpoints (engine/callbacks.py)."""
         self.config = config
         self.data = data
         self.run_dir = run_dir
@@ -122,8 +124,16 @@ class Engine:
         )
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
         self._pooled = pooled_client(data, self.train_ids) if self.algorithm.pooled else None
-        self._monitor_data: dict[int, ClientData] | None = None
-        self._open_trackers: list[Tracker] = []
+        self.evaluation = Evaluation()
+        self.callbacks: list[Callback] = [
+            self.evaluation,
+            *([HealthMonitor()] if config.monitor.enabled else []),
+            PrivacyAccounting(self.upload_transforms),
+            *(callbacks or []),
+            MetricsLog(progress),
+            Checkpointing(),
+            ColdStart(),
+        ]
 
     # -- per-client work orders -----------------------------------------------------------
     def client_data(self, client_id: int) -> ClientData:
@@ -149,150 +159,27 @@ class Engine:
             if s > 0
         ]
 
-    # -- evaluation -----------------------------------------------------------------------
-    def _counts(self, params: pytree.Tree, buffers: pytree.Tree, data: ClientData) -> EvalCounts:
-        return EvalCounts(
-            *self.model.evaluate(
-                params, buffers, data.x_test, data.y_test, self.config.eval.batch_size
-            )
-        )
-
-    def evaluate(
-        self, server: State, states: ClientStateStore, round: int
-    ) -> tuple[dict[str, Any], dict[int, pytree.Tree]]:
-        classification = self.data.task == "classification"
-        row: dict[str, Any] = {}
-        global_model = self.algorithm.global_model(server)
-        global_counts: list[EvalCounts] = []
-        if global_model is not None:
-            global_counts = [self._counts(*global_model, c) for c in self.data.clients]
-            row["global"] = pooled(global_counts, classification)
-        else:
-            row["global"] = None
-        deployed: dict[int, pytree.Tree] = {}
-        groups = {"personalized": self.train_ids, "new_clients": self.new_ids}
-        for key, ids in groups.items():
-            if not ids:
-                continue
-            counts: list[EvalCounts | None] = []
-            pending: list[tuple[int, tuple[pytree.Tree, pytree.Tree]]] = []
-            for cid in ids:
-                data = self.data.clients[cid]
-                state = states.get(cid) if cid in states else None
-                if state is None:
-                    state = self.algorithm.init_client_state(server, cid)
-                params, buffers = self.algorithm.deployed_model(
-                    server, state, ClientTask(cid, data, [], self.config.train.lr, round)
-                )
-                deployed[cid] = {**params, **buffers}
-                if global_model is not None and params is global_model[0]:
-                    counts.append(global_counts[cid])  # deploys the global model: evaluated
-                else:
-                    counts.append(None)
-                    pending.append((len(counts) - 1, (params, buffers)))
-            if pending:
-                evaluated = self.executor.evaluate(
-                    [m for _, m in pending],
-                    [self.data.clients[ids[i]] for i, _ in pending],
-                    self.config.eval.batch_size,
-                )
-                for (i, _), c in zip(pending, evaluated, strict=True):
-                    counts[i] = c
-            done = [c for c in counts if c is not None]
-            row[key] = client_quantiles(done, classification)
-            if key == "personalized" and classification:
-                row["client_accuracy"] = [c.accuracy if c.n else None for c in done]
-        return row, deployed
-
-    # -- monitoring (engine/monitoring.py) -------------------------------------------------
-    def _heterogeneity(self) -> dict[str, Any]:
-        """Each client's label KL and feature JS to the pooled data (heterogeneity.json)."""
-        clients = dict(enumerate(self.data.clients))
-        report: dict[str, Any] = {"feature_js": feature_js(clients)}
-        if self.data.task == "classification":
-            report["label_kl"] = label_kl(clients, self.data.num_outputs)
-        if self.run_dir is not None:
-            self.run_dir.write_json(HETEROGENEITY_FILE, report)
-        return report
-
-    def _monitor_sample(self) -> dict[int, ClientData]:
-        """The fixed sample zeta^2 is measured on: up to ``monitor.clients`` training clients,
-        each with up to ``monitor.gradient_samples`` of its training samples."""
-        if self._monitor_data is None:
-            seed, cfg = self.config.seed, self.config.monitor
-            ids = list(self.train_ids)
-            if len(ids) > cfg.clients:
-                order = torch.randperm(len(ids), generator=generator(seed, "monitor"))
-                ids = sorted(ids[i] for i in order[: cfg.clients].tolist())
-            sample = {}
-            for c in ids:
-                data = self.data.clients[c]
-                keep = torch.randperm(data.num_train, generator=generator(seed, "monitor", 0, c))
-                keep = keep[: cfg.gradient_samples] if cfg.gradient_samples else keep
-                sample[c] = ClientData(
-                    data.x_train[keep], data.y_train[keep], data.x_test[:0], data.y_test[:0]
-                )
-            self._monitor_data = sample
-        return self._monitor_data
-
-    def _round_health(self, server: State, round: int, st: dict[str, Any]) -> dict[str, Any]:
-        """The evaluated round's monitoring record: update statistics and zeta^2."""
-        health: dict[str, Any] = st.pop("monitor", None) or {}
-        model = self.algorithm.global_model(server)
-        if self.config.monitor.gradient_dissimilarity and model is not None:
-            tick = time.perf_counter()
-            clients = self._monitor_sample()
-            with self.model.random_stream(seed_for(self.config.seed, "monitor"), round, -1):
-                health["zeta2"] = gradient_dissimilarity(self.model, *model, clients)
-            st["monitor_seconds"] = st.get("monitor_seconds", 0.0) + time.perf_counter() - tick
-        return health
-
-    def _privacy_spent(self) -> dict[str, float] | None:
-        """The privacy budget spent so far, from the first upload transform that accounts
-        for one (a method ``privacy_spent() -> {'epsilon': ..., 'delta': ...}``)."""
-        for transform in self.upload_transforms:
-            spent = getattr(transform, "privacy_spent", None)
-            if callable(spent):
-                return dict(spent())
-        return None
-
-    def _trackers(self) -> list[Tracker]:
-        cfg = self.config
-        name = self.run_dir.path.name if self.run_dir else f"{self.algorithm.name}-{self.data.name}"
-        return make_trackers(cfg, self.run_dir.path if self.run_dir else None, name)
-
-    def cold_start(self, server: State) -> dict[str, Any]:
-        """Accuracy of the held-out new clients vs fine-tuning steps (engine/cold_start.py)."""
-        cfg = self.config
-        lr = cfg.eval.adapt_lr or self.algorithm.adaptation_lr() or cfg.train.lr
-        return adaptation_curve(
-            self.algorithm,
-            server,
-            {c: self.data.clients[c] for c in self.new_ids},
-            cfg.eval.adaptation_steps,
-            lr,
-            cfg.train.rounds,
-            cfg.eval.batch_size,
-            self.data.task == "classification",
-        )
-
     # -- the loop -------------------------------------------------------------------------
-    def _new_store(self) -> ClientStateStore:
+    def new_store(self) -> ClientStateStore:
         directory = self.run_dir.path / "state" if self.run_dir is not None else None
         slots = self.data.num_clients + (1 if self.algorithm.pooled else 0)
         return ClientStateStore(slots, self.config.state.storage, directory)
 
-    def _initial(self) -> dict[str, Any]:
+    def initial_state(self) -> RunState:
         params, buffers = self.model.initial_state(self.config.seed)
-        return {
-            "round": 0,
-            "server": self.algorithm.init_server_state(params, buffers),
-            "clients": self._new_store(),
-            "history": [],
-            "bytes_up": 0,
-            "bytes_down": 0,
-            "elapsed": 0.0,
-        }
+        return RunState(self.algorithm.init_server_state(params, buffers), self.new_store())
+
+    def resumed_state(self) -> RunState:
+        """The state of the newest good checkpoint; metrics.jsonl rewritten to match it."""
+        assert self.run_dir is not None
+        saved = self.run_dir.latest_checkpoint()
+        if saved is None:
+            raise RunDirError(f"{self.run_dir.path} has no checkpoint to resume from")
+        state = RunState.from_checkpoint(saved, self.new_store())
+        self.run_dir.rewrite_metrics(state.history)
+        if state.executor_choice and hasattr(self.executor, "choice"):
+            self.executor.choice = state.executor_choice  # resume on the same executor
+        return state
 
     def _threads(self) -> int | None:
         """This process's intra-op threads for the run (engine/threads.py, run_threads)."""
@@ -306,176 +193,80 @@ class Engine:
             if self._pooled is not None:
                 clients[POOLED_CLIENT] = self._pooled
             self.executor.prepare(clients)
-            self._open_trackers = self._trackers()
             try:
                 with setup_frozen():
                     return self._run(resume)
+            except BaseException:
+                for callback in self.callbacks:
+                    callback.on_failure(self)
+                raise
             finally:
                 self.executor.close()
-                for tracker in self._open_trackers:  # a run that failed: close them as such
-                    tracker.close(None, failed=True)
 
     def _run(self, resume: bool) -> RunResult:
-        cfg = self.config
-        st = self._initial()
-        if resume:
-            assert self.run_dir is not None
-            saved = self.run_dir.latest_checkpoint()
-            if saved is None:
-                raise RunDirError(f"{self.run_dir.path} has no checkpoint to resume from")
-            st = saved
-            store = self._new_store()
-            store.load_state_dict(saved["clients"])
-            st["clients"] = store
-            self.run_dir.rewrite_metrics(st["history"])
-            if st.get("executor_choice") and hasattr(self.executor, "choice"):
-                self.executor.choice = st["executor_choice"]  # resume on the same executor
-        history: list[dict[str, Any]] = st["history"]
-        server, states = st["server"], st["clients"]
-        rounds = cfg.train.rounds
-        deployed: dict[int, pytree.Tree] = {}
-        start = time.perf_counter() - st["elapsed"]
-        first = st["round"] + 1
-        monitor = cfg.monitor.enabled
-        heterogeneity = self._heterogeneity() if monitor else None
-        trackers = self._open_trackers
-        with RoundProgress(rounds, first - 1, enabled=self.progress) as bar:
-            for round in range(first, rounds + 1):
-                last = round == rounds
-                evaluate = round % cfg.eval.every == 0 or last
-                before = st["bytes_up"], st["bytes_down"]
-                tick = time.perf_counter()
-                server, states, st = self._one_round(
-                    round, server, states, st, monitor and evaluate
-                )
-                # training time alone: the update statistics' share is reported as monitoring
-                round_seconds = time.perf_counter() - tick - st.get("monitor_seconds", 0.0)
-                if evaluate:
-                    row, deployed = self.evaluate(server, states, round)
-                    if monitor:
-                        row["monitor"] = self._round_health(server, round, st)
-                    privacy = self._privacy_spent()
-                    if privacy is not None:
-                        row["privacy"] = privacy
-                    row = {
-                        "round": round,
-                        "wall_seconds": time.perf_counter() - start,
-                        "train_loss": st["train_loss"],
-                        "participants": st["participants"],
-                        "reported": st["reported"],
-                        "dropped_nonfinite": st.get("dropped_nonfinite", 0),
-                        **({"client_info": st["client_info"]} if st.get("client_info") else {}),
-                        **row,
-                        "communication": {
-                            "bytes_up": st["bytes_up"],
-                            "bytes_down": st["bytes_down"],
-                            "bytes_up_round": st["bytes_up"] - before[0],
-                            "bytes_down_round": st["bytes_down"] - before[1],
-                        },
-                        "seconds": {
-                            "round": round_seconds,
-                            "monitor": st.pop("monitor_seconds", 0.0),
-                        },
-                    }
-                    history.append(row)
-                    if self.run_dir:
-                        self.run_dir.append_metrics(row)
-                    for tracker in trackers:
-                        tracker.log(row)
-                    bar.show_metrics(row)
-                every = cfg.checkpoint.every
-                if self.run_dir and every and (round % every == 0 or last):
-                    st["elapsed"] = time.perf_counter() - start
-                    st["executor_choice"] = getattr(self.executor, "choice", None)
-                    payload = {
-                        **st,
-                        "round": round,
-                        "server": server,
-                        "clients": states.state_dict(),
-                        "history": history,
-                    }
-                    self.run_dir.save_checkpoint(round, payload, cfg.checkpoint.keep)
-                bar.advance()
-        wall = time.perf_counter() - start
-        if not deployed:  # resumed at the very end: evaluate once to report client models
-            _, deployed = self.evaluate(server, states, rounds)
-        summary = self._summary(history, st, wall)
-        if self.new_ids:
-            summary["cold_start"] = self.cold_start(server)
-        if heterogeneity is not None:
-            summary["heterogeneity"] = heterogeneity_summary(heterogeneity, history)
-        for tracker in trackers:
-            tracker.close(summary)
-        self._open_trackers = []
-        extras = self.algorithm.summary_extras(server)
-        if extras:
-            summary["extras"] = extras
-        global_model = self.algorithm.global_model(server)
+        """The round loop: train a round, then every callback (evaluation, monitoring, the
+        metrics log, checkpoints ...) in order."""
+        state = self.resumed_state() if resume else self.initial_state()
+        for callback in self.callbacks:
+            callback.on_run_start(self, state)
+        for round in range(state.round + 1, self.config.train.rounds + 1):
+            report = self.train_round(round, state)
+            for callback in self.callbacks:
+                callback.on_round_end(self, state, report)
+        summary = self.summary(state)
+        for callback in self.callbacks:
+            callback.on_run_end(self, state, summary)
+        global_model = self.algorithm.global_model(state.server)
         return RunResult(
             summary=summary,
-            history=history,
+            history=state.history,
             global_params={**global_model[0], **global_model[1]} if global_model else None,
-            client_params=deployed,
+            client_params=self.evaluation.deployed,
             run_dir=self.run_dir,
-            extras=extras,
+            extras=summary.get("extras", {}),
         )
 
-    def _one_round(
-        self,
-        round: int,
-        server: State,
-        states: ClientStateStore,
-        st: dict[str, Any],
-        monitor: bool = False,
-    ) -> tuple[State, ClientStateStore, dict[str, Any]]:
-        cfg = self.config
-        if self.algorithm.pooled:
+    def train_round(self, round: int, state: RunState) -> RoundReport:
+        """One round: sample, send, train (the executor), screen, transform and aggregate the
+        uploads; ``state`` moves to the end of the round."""
+        cfg, algorithm, tick = self.config, self.algorithm, time.perf_counter()
+        if algorithm.pooled:
             clients = [POOLED_CLIENT]
         else:
             clients = sample_clients(cfg.seed, round, self.train_ids, cfg.train.clients_per_round)
         for c in clients:
-            if c not in states:
-                states.set(c, self.algorithm.init_client_state(server, c))
-        message = self.algorithm.round_message(server, round)
+            if c not in state.clients:
+                state.clients.set(c, algorithm.init_client_state(state.server, c))
+        message = algorithm.round_message(state.server, round)
         tasks = self.tasks_for_round(round, clients)
-        results: list[ClientResult] = self.executor.run_round(
-            self.algorithm, message, tasks, [states.get(t.client_id) for t in tasks]
+        results = self.executor.run_round(
+            algorithm, message, tasks, [state.clients.get(t.client_id) for t in tasks]
         )
-        screened = screen(tasks, results, round, self.algorithm.config.model_dump(), cfg.train)
+        screened = screen(tasks, results, round, algorithm.config.model_dump(), cfg.train)
         tasks, results = screened.tasks, screened.results
-        st["dropped_nonfinite"] = st.get("dropped_nonfinite", 0) + len(screened.dropped)
+        state.dropped_nonfinite += len(screened.dropped)
         for task, result in zip(tasks, results, strict=True):
             for transform in self.upload_transforms:
                 result.upload = transform(result.upload, task.client_id, round)
             if result.state is not None:
-                states.set(task.client_id, result.state)
-        if self.algorithm.communicates:
-            st["bytes_down"] += sum(self.algorithm.download_bytes(message, c) for c in clients)
-            st["bytes_up"] += sum(message_bytes(r.upload) for r in results)
-        st["client_info"] = mean_info(results)
-        if monitor:
-            tick = time.perf_counter()
-            deltas = {
-                t.client_id: self.algorithm.client_delta(message, r)
-                for t, r in zip(tasks, results, strict=True)
-            }
-            st["monitor"] = update_statistics(
-                {c: d for c, d in deltas.items() if d is not None}, self.config.monitor.clients
-            )
-            st["monitor_seconds"] = time.perf_counter() - tick
+                state.clients.set(task.client_id, result.state)
+        up = down = 0
+        if algorithm.communicates:
+            down = sum(algorithm.download_bytes(message, c) for c in clients)
+            up = sum(message_bytes(r.upload) for r in results)
+        state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         if results:  # every sampled client dropped out: the server keeps its state
-            server = self.algorithm.aggregate(server, results)
-        total = sum(r.weight for r in results)
-        st["train_loss"] = sum(r.loss * r.weight for r in results) / total if total else None
-        st["participants"] = len(clients)
-        st["reported"] = len(results)
-        return server, states, st
+            state.server = algorithm.aggregate(state.server, results)
+        state.round = round
+        evaluate = round % cfg.eval.every == 0 or round == cfg.train.rounds
+        seconds = time.perf_counter() - tick
+        return RoundReport(round, clients, message, tasks, results, up, down, seconds, evaluate)
 
-    def _summary(
-        self, history: list[dict[str, Any]], st: dict[str, Any], wall: float
-    ) -> dict[str, Any]:
-        cfg = self.config
-        last = history[-1] if history else {}
+    def summary(self, state: RunState) -> dict[str, Any]:
+        """summary.json (DESIGN.md 3.5) from the state at the end of the run; the callbacks
+        add their parts (cold start, heterogeneity)."""
+        cfg, wall = self.config, state.elapsed
+        last = state.history[-1] if state.history else {}
         personalized = {k: v for k, v in (last.get("personalized") or {}).items()}
         summary = {
             "algorithm": self.algorithm.name,
@@ -488,14 +279,14 @@ class Engine:
             "executor_choice": getattr(self.executor, "choice", None) or self.executor.name,
             "final": {"global": last.get("global"), "personalized": personalized},
             "communication": {
-                "bytes_up": st["bytes_up"],
-                "bytes_down": st["bytes_down"],
-                "bytes_up_per_round": st["bytes_up"] / cfg.train.rounds,
-                "bytes_down_per_round": st["bytes_down"] / cfg.train.rounds,
+                "bytes_up": state.bytes_up,
+                "bytes_down": state.bytes_down,
+                "bytes_up_per_round": state.bytes_up / cfg.train.rounds,
+                "bytes_down_per_round": state.bytes_down / cfg.train.rounds,
             },
             "wall_seconds": wall,
             "seconds_per_round": wall / cfg.train.rounds,
-            "dropped_nonfinite": st.get("dropped_nonfinite", 0),
+            "dropped_nonfinite": state.dropped_nonfinite,
         }
         if last.get("new_clients"):
             summary["final"]["new_clients"] = last["new_clients"]
@@ -505,6 +296,9 @@ class Engine:
             summary["final"]["client_accuracy"] = {
                 str(c): a for c, a in zip(self.train_ids, accuracy, strict=True)
             }
+        extras = self.algorithm.summary_extras(state.server)
+        if extras:
+            summary["extras"] = extras
         return summary
 
 
@@ -520,34 +314,6 @@ def setup_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def heterogeneity_summary(
-    heterogeneity: dict[str, Any], history: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """summary.json's ``heterogeneity``: mean label KL and feature JS over clients, and the
-    last measured zeta^2."""
-
-    def mean(values: dict[str, float] | None) -> float | None:
-        return sum(values.values()) / len(values) if values else None
-
-    zeta = [row["monitor"]["zeta2"] for row in history if "zeta2" in row.get("monitor", {})]
-    return {
-        "label_kl_mean": mean(heterogeneity.get("label_kl")),
-        "feature_js_mean": mean(heterogeneity.get("feature_js")),
-        "zeta2_last": zeta[-1] if zeta else None,
-    }
-
-
-def mean_info(results: list[ClientResult]) -> dict[str, float]:
-    """Per key, the mean over the round's reports of the numbers clients put in
-    ``ClientResult.info`` (e.g. pFedMac's sparsity); bookkeeping keys are skipped."""
-    keys = sorted({k for r in results for k in r.info if k not in ("client", "round")})
-    out = {}
-    for key in keys:
-        values = [float(r.info[key]) for r in results if key in r.info]
-        out[key] = sum(values) / len(values)
-    return out
 
 
 def message_bytes(message: Message) -> int:
