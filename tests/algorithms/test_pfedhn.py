@@ -141,7 +141,7 @@ def test_server_step_is_the_authors_vjp_and_sgd_step(reduction, clip):
             {k: 0.3 * torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in clients
         ]
         results = [
-            ClientResult({"delta": d}, 1.0, 0.0, info={"client": float(c)})
+            ClientResult({"delta": d}, 1.0, 0.0, client_id=c)
             for c, d in zip(clients, deltas, strict=True)
         ]
         # what each client received is H(e_k)

@@ -317,7 +317,7 @@ def test_fpfc_server_step_matches_the_pseudocode(pairs):
     for i in active:
         tree = algorithm.table_tree(uploads[i].unsqueeze(0), params)
         upload = {"params": {k: v[0] for k, v in tree.items()}}
-        results.append(ClientResult(upload, 1.0, 0.0, info={"client": float(i)}))
+        results.append(ClientResult(upload, 1.0, 0.0, client_id=i))
     new = algorithm.aggregate(server, results)
     for i in active:
         omega[i] = uploads[i]

@@ -80,7 +80,7 @@ def test_round_t_uses_the_scheduled_coefficient(name, kind):
         results = []
         for algorithm in (scheduled, constant):
             server = algorithm.init_server_state(params, buffers)
-            message = algorithm.round_message(server, round)
+            message = algorithm.server_message(server, round)
             plan = c.make_plan(data, 4, "batches", round, 0)
             task = ClientTask(0, data, plan, 0.1, round)
             state = algorithm.init_client_state(server, 0)

@@ -78,9 +78,8 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import (
     BATCHES,

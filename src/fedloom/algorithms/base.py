@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
+from fedloom.algorithms.weights import objective_weight
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, num_bytes
@@ -33,15 +34,6 @@ from fedloom.solvers.program import (
 )
 from fedloom.solvers.sequential import run_client
 from fedloom.solvers.steps import descend
-
-Weighting = Literal["uniform", "samples"]
-"""Client weights p_k of the global objective sum_k p_k F_k: 1/K or n_k / n."""
-
-
-def weighting_field(default: Weighting, what: str) -> Any:
-    """The ``weighting`` hyperparameter every algorithm with a choice of client weights has:
-    ``uniform`` (1/K) or ``samples`` (n_k / n); ``what`` says what the weights weigh."""
-    return Field(default=default, description=f"{what}: uniform 1/K or samples n_k/n")
 
 
 class AlgorithmConfig(BaseModel):
@@ -73,11 +65,8 @@ class AlgorithmContext:
     weights of the global objective sum_k p_k F_k."""
 
     def objective_weight(self, client_id: int, weighting: str) -> float:
-        """p_k of client k in the global objective: 1/K (``uniform``, the SCAFFOLD and FedDyn
-        papers' objective) or n_k / n (``samples``, FedAvg's)."""
-        if weighting == "uniform":
-            return 1.0 / len(self.population)
-        return self.population[client_id] / sum(self.population.values())
+        """p_k of client k in the global objective (algorithms/weights.py)."""
+        return objective_weight(weighting, client_id, self.population)
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithm.name")
@@ -115,13 +104,10 @@ class Algorithm:
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
         return {"params": params, "buffers": buffers}
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
+        """What every client of round ``round`` receives (default: the global model; FedProx
+        adds its scheduled mu, SCAFFOLD its control variate)."""
         return {"params": server["params"], "buffers": server["buffers"]}
-
-    def round_message(self, server: State, round: int) -> Message:
-        """The message of round ``round`` (default: ``server_message``; FedProx adds its
-        scheduled mu)."""
-        return self.server_message(server)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         raise NotImplementedError
@@ -255,11 +241,6 @@ class Algorithm:
             raise ConfigError(
                 f"algorithm.name: {self.name} needs a classification task ({why}), got {task}"
             )
-
-    @staticmethod
-    def upload_weight(task: ClientTask, weighting: str) -> float:
-        """FedAvg-style aggregation weight of a client: n_k (``samples``) or 1 (``uniform``)."""
-        return float(task.data.num_train) if weighting == "samples" else 1.0
 
     def average_buffers(
         self, server: State, results: list[ClientResult], weights: list[float]

@@ -160,11 +160,8 @@ class Ditto(Algorithm):
             "initial": {"params": clone(params), "buffers": clone(buffers)},
         }
 
-    def server_message(self, server: State) -> Message:
-        return self.inner.server_message(server["inner"])
-
-    def round_message(self, server: State, round: int) -> Message:
-        return self.inner.round_message(server["inner"], round)
+    def server_message(self, server: State, round: int = 0) -> Message:
+        return self.inner.server_message(server["inner"], round)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return {**server, "inner": self.inner.aggregate(server["inner"], results)}

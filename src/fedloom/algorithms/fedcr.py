@@ -103,10 +103,9 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
@@ -225,8 +224,8 @@ class FedCR(FedPer):
             }
         return state
 
-    def server_message(self, server: State) -> Message:
-        message = super().server_message(server)
+    def server_message(self, server: State, round: int = 0) -> Message:
+        message = super().server_message(server, round)
         if self.stochastic:
             message["variance"] = server["variance"]
             message["classes"] = server["classes"]

@@ -32,9 +32,8 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, add, sub, zeros_like
 from fedloom.solvers.local import LocalSolution
 

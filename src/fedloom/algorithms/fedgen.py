@@ -94,10 +94,9 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
 from fedloom.algorithms.objective import ObjectiveProgram, model_result
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.solvers.local import LocalSolution
@@ -270,7 +269,7 @@ class FedGen(Algorithm):
             "label_counts": torch.zeros(self.ctx.num_clients, self.num_classes, dtype=torch.int64),
         }
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
         message: Message = {"params": server["params"], "buffers": server["buffers"]}
         if int(server["adam"]["step"]) > 0:  # warm-up: no generator before it has trained
             counts = server["label_counts"].sum(dim=0).to(torch.float32)
@@ -282,7 +281,7 @@ class FedGen(Algorithm):
         new = {**server, **self.aggregate_models(results)}
         counts = torch.stack([r.upload["labels"]["counts"] for r in results])
         table = server["label_counts"].clone()
-        table[[int(r.info["client"]) for r in results]] = counts
+        table[[r.client_id for r in results]] = counts
         new["label_counts"] = table
         if int(counts.sum()) == 0:  # no labelled sample reported: nothing to teach the generator
             return new
@@ -292,7 +291,7 @@ class FedGen(Algorithm):
             torch.stack([r.upload["params"][b] for r in results]),
             counts,
         )
-        stream = generator(self.ctx.seed, "fedgen", int(results[0].info["round"]))
+        stream = generator(self.ctx.seed, "fedgen", results[0].round)
         new["generator"], new["adam"], _ = train_generator(
             server["generator"], server["adam"], teachers, self.config, stream
         )
@@ -308,7 +307,6 @@ class FedGen(Algorithm):
         result = model_result(task, solved, self.config.weighting)
         counts = torch.bincount(task.data.y_train, minlength=self.num_classes)
         result.upload["labels"] = {"counts": counts}
-        result.info = {"client": float(task.client_id), "round": float(task.round)}
         return result
 
 

@@ -45,11 +45,10 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.objective import ObjectiveProgram, model_result
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import LocalSolution

@@ -56,10 +56,9 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
 from fedloom.algorithms.objective import ObjectiveProgram
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.local import LocalSolution
@@ -162,7 +161,7 @@ class FedProto(Algorithm):
             "known": torch.zeros(self.num_classes, dtype=torch.bool),
         }
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
         ids = torch.nonzero(server["known"]).flatten()
         return {"protos": {"ids": ids, "mean": server["protos"][ids]}}
 

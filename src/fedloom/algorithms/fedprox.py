@@ -30,8 +30,8 @@ class FedProx(FedAvg):
     summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w_t||^2 (Li et al., 2020)"
     Config = FedProxConfig
 
-    def round_message(self, server: State, round: int) -> Message:
-        message = self.server_message(server)
+    def server_message(self, server: State, round: int = 0) -> Message:
+        message = super().server_message(server, round)
         cfg = self.config
         if not cfg.mu_schedule.constant:
             mu = cfg.mu_schedule.at(cfg.mu, round, self.ctx.rounds)

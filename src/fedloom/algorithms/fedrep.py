@@ -39,15 +39,9 @@ from __future__ import annotations
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from fedloom.algorithms.base import (
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-    Weighting,
-    weighting_field,
-)
+from fedloom.algorithms.base import ClientResult, ClientTask, Message, State
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import clone
 from fedloom.solvers.local import steps_per_epoch
 from fedloom.solvers.program import (

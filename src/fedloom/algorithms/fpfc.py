@@ -211,7 +211,7 @@ class FPFC(Algorithm):
             "zeta": omega.clone(),
         }
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
         return {"zeta": self.table_tree(server["zeta"], server["params"])}
 
     def download_bytes(self, message: Message, client_id: int) -> int:
@@ -224,7 +224,7 @@ class FPFC(Algorithm):
         running sum_j (theta_ij - v_ij / rho) per client: a round costs O(|pairs updated| d +
         m d), not O(m^2 d). The engine never reuses a server state after aggregating it."""
         cfg = self.config
-        ids = torch.tensor([int(r.info["client"]) for r in results])
+        ids = torch.tensor([r.client_id for r in results])
         omega = server["omega"].clone()
         omega[ids] = torch.stack([self.flat(r.upload["params"]) for r in results])
         active = torch.zeros(self.m, dtype=torch.bool)
@@ -320,7 +320,6 @@ class FPFC(Algorithm):
             task.data.num_train,
             solved.loss,
             state=new_state,
-            info={"client": float(task.client_id)},
         )
 
     def deployed_model(

@@ -41,14 +41,9 @@ implemented here.
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import (
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientTask,
-    Weighting,
-    weighting_field,
-)
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, ClientTask
 from fedloom.algorithms.partial import PartialSharing
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.errors import ConfigError
 
 

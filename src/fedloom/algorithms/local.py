@@ -14,7 +14,7 @@ class LocalOnly(Algorithm):
     communicates = False
     has_global_model = False
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
         return {}
 
     def init_client_state(self, server: State, client_id: int) -> State:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fedloom.algorithms.base import Algorithm, SGDProgram
+from fedloom.algorithms.weights import aggregation_weight
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import LocalSolution
@@ -154,4 +155,4 @@ def model_result(task: ClientTask, solved: LocalSolution, weighting: str) -> Cli
     """FedAvg's answer: the local model as the upload, weighted n_k (``weighting: samples``) or
     1 (``uniform``)."""
     upload = {"params": solved.params, "buffers": solved.buffers}
-    return ClientResult(upload, Algorithm.upload_weight(task, weighting), solved.loss)
+    return ClientResult(upload, aggregation_weight(weighting, task.data.num_train), solved.loss)

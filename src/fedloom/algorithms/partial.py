@@ -102,7 +102,7 @@ class PartialSharing(Algorithm):
             "initial_local": {k: clone(v) for k, v in local.items()},
         }
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
         return {"params": server["params"], "buffers": server["buffers"]}
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:

@@ -51,17 +51,10 @@ from typing import Literal
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from fedloom.algorithms.base import (
-    AlgorithmConfig,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-    Weighting,
-    weighting_field,
-)
+from fedloom.algorithms.base import AlgorithmConfig, ClientResult, ClientTask, Message, State
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import (

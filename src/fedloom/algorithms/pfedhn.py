@@ -178,7 +178,7 @@ class PFedHN(Algorithm):
             },
         }
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
         """theta_k = H(e_k) for every training client: a (K, *shape) table per tensor."""
         with torch.no_grad():
             return {"models": self.generate(server["hnet"], server["embeddings"])}
@@ -191,7 +191,7 @@ class PFedHN(Algorithm):
         """One SGD step on (Theta_h, e) along sum_k c J_k^T (theta_k - theta~_k) (see the
         module docstring), as torch.optim.SGD would take it after clip_grad_norm_."""
         cfg = self.config
-        ids = torch.tensor([int(r.info["client"]) for r in results])
+        ids = torch.tensor([r.client_id for r in results])
         coeff = 1.0 if cfg.reduction == "sum" else 1.0 / len(results)
         hnet = {k: v.detach().requires_grad_(True) for k, v in server["hnet"].items()}
         embeddings = server["embeddings"].detach().requires_grad_(True)
@@ -255,7 +255,6 @@ class PFedHN(Algorithm):
             {"delta": delta},
             float(task.data.num_train),
             solved.loss,
-            info={"client": float(task.client_id)},
         )
 
     def deployed_model(

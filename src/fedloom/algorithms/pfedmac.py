@@ -81,9 +81,8 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, add, clone, num_bytes, scale
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError

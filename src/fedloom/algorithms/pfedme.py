@@ -43,10 +43,9 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
 from fedloom.algorithms.schedule import Schedule, schedule_field
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import (
     BATCHES,

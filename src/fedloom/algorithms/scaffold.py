@@ -31,9 +31,8 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
-    Weighting,
-    weighting_field,
 )
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, add, clone, sub, zeros_like
 from fedloom.solvers.local import LocalSolution
 
@@ -54,7 +53,7 @@ class Scaffold(Algorithm):
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
         return {"params": params, "buffers": buffers, "control": zeros_like(params)}
 
-    def server_message(self, server: State) -> Message:
+    def server_message(self, server: State, round: int = 0) -> Message:
         return {
             "params": server["params"],
             "buffers": server["buffers"],

@@ -237,7 +237,7 @@ class Engine:
         for c in clients:
             if c not in state.clients:
                 state.clients.set(c, algorithm.init_client_state(state.server, c))
-        message = algorithm.round_message(state.server, round)
+        message = algorithm.server_message(state.server, round)
         tasks = self.tasks_for_round(round, clients)
         results = self.executor.run_round(
             algorithm, message, tasks, [state.clients.get(t.client_id) for t in tasks]
