@@ -22,7 +22,7 @@ from fedloom.algorithms.base import Message
 from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
-from fedloom.data.federated import ClientData, FederatedData
+from fedloom.data.federated import FederatedData
 from fedloom.engine.callbacks import (
     Callback,
     Checkpointing,
@@ -35,7 +35,7 @@ from fedloom.engine.callbacks import (
 from fedloom.engine.factory import make_executor
 from fedloom.engine.nonfinite import screen
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.sampling import sample_clients
+from fedloom.engine.sampling import TrainingClients
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
@@ -43,9 +43,6 @@ from fedloom.engine.workload import full_budget, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
 from fedloom.solvers.local import PlanMaker
-
-POOLED_CLIENT = -1
-"""Client id of the virtual client that holds all data (centralized training)."""
 
 UploadTransform = Callable[[Message, int, int], Message]
 """(upload, client_id, round) -> upload: clipping, noise, masking, encryption plug in here."""
@@ -62,16 +59,6 @@ class RunResult:
     client_params: dict[int, dict[str, torch.Tensor]]
     run_dir: RunDir | None = None
     extras: dict[str, Any] = field(default_factory=dict)
-
-
-def pooled_client(data: FederatedData, ids: list[int]) -> ClientData:
-    parts = [data.clients[i] for i in ids]
-    return ClientData(
-        torch.cat([c.x_train for c in parts]),
-        torch.cat([c.y_train for c in parts]),
-        torch.cat([c.x_test for c in parts]),
-        torch.cat([c.y_test for c in parts]),
-    )
 
 
 class Engine:
@@ -123,7 +110,9 @@ class Engine:
             population={c: data.clients[c].num_train for c in self.train_ids},
         )
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
-        self._pooled = pooled_client(data, self.train_ids) if self.algorithm.pooled else None
+        self.training = TrainingClients.view(
+            data, self.train_ids, train.clients_per_round, self.algorithm.pooled
+        )
         self.evaluation = Evaluation()
         self.callbacks: list[Callback] = [
             self.evaluation,
@@ -136,17 +125,11 @@ class Engine:
         ]
 
     # -- per-client work orders -----------------------------------------------------------
-    def client_data(self, client_id: int) -> ClientData:
-        if client_id == POOLED_CLIENT:
-            assert self._pooled is not None
-            return self._pooled
-        return self.data.clients[client_id]
-
     def tasks_for_round(self, round: int, clients: list[int]) -> list[ClientTask]:
         """Work orders of the clients that report back this round (dropped stragglers, with
         ``train.straggler_mode: drop``, get none)."""
         train, seed = self.config.train, self.config.seed
-        datas = [self.client_data(c) for c in clients]
+        datas = [self.training.data[c] for c in clients]
         full = [
             full_budget(train, seed, round, c, d.num_train)
             for c, d in zip(clients, datas, strict=True)
@@ -162,7 +145,7 @@ class Engine:
     # -- the loop -------------------------------------------------------------------------
     def new_store(self) -> ClientStateStore:
         directory = self.run_dir.path / "state" if self.run_dir is not None else None
-        slots = self.data.num_clients + (1 if self.algorithm.pooled else 0)
+        slots = self.data.num_clients + 1  # the last slot: a pooled view's client (id -1)
         return ClientStateStore(slots, self.config.state.storage, directory)
 
     def initial_state(self) -> RunState:
@@ -189,10 +172,7 @@ class Engine:
 
     def run(self, resume: bool = False) -> RunResult:
         with torch_threads(self._threads()):
-            clients = dict(enumerate(self.data.clients))
-            if self._pooled is not None:
-                clients[POOLED_CLIENT] = self._pooled
-            self.executor.prepare(clients)
+            self.executor.prepare(self.training.data)
             try:
                 with setup_frozen():
                     return self._run(resume)
@@ -230,10 +210,7 @@ class Engine:
         """One round: sample, send, train (the executor), screen, transform and aggregate the
         uploads; ``state`` moves to the end of the round."""
         cfg, algorithm, tick = self.config, self.algorithm, time.perf_counter()
-        if algorithm.pooled:
-            clients = [POOLED_CLIENT]
-        else:
-            clients = sample_clients(cfg.seed, round, self.train_ids, cfg.train.clients_per_round)
+        clients = self.training.sample(cfg.seed, round)
         for c in clients:
             if c not in state.clients:
                 state.clients.set(c, algorithm.init_client_state(state.server, c))

@@ -3,9 +3,13 @@ fedloom.engine.workload."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from fedloom.core.protocol import ClientData
 from fedloom.core.rng import generator
+from fedloom.data.federated import FederatedData
 
 
 def sample_clients(seed: int, round: int, eligible: list[int], per_round: int | None) -> list[int]:
@@ -14,3 +18,33 @@ def sample_clients(seed: int, round: int, eligible: list[int], per_round: int | 
         return list(eligible)
     perm = torch.randperm(len(eligible), generator=generator(seed, "sample", round))
     return sorted(eligible[i] for i in perm[:per_round].tolist())
+
+
+POOLED_CLIENT = -1
+"""Client id of the one client of a pooled view (the centralized baseline)."""
+
+
+@dataclass(frozen=True)
+class TrainingClients:
+    """The clients that train, by id, and how many of them a round samples: the federated
+    view (each training client, ``train.clients_per_round``) or, for an algorithm that trains
+    on pooled data (the centralized baseline), one client holding every training client's
+    samples, in every round."""
+
+    data: dict[int, ClientData]
+    per_round: int | None
+
+    @classmethod
+    def view(
+        cls, data: FederatedData, ids: list[int], per_round: int | None, pooled: bool
+    ) -> TrainingClients:
+        if not pooled:
+            return cls({c: data.clients[c] for c in ids}, per_round)
+        parts = [data.clients[c] for c in ids]
+        joined = ClientData(
+            *(torch.cat([getattr(p, key) for p in parts]) for key in ClientData.__annotations__)
+        )
+        return cls({POOLED_CLIENT: joined}, None)
+
+    def sample(self, seed: int, round: int) -> list[int]:
+        return sample_clients(seed, round, list(self.data), self.per_round)
