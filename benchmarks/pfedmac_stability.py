@@ -49,7 +49,8 @@ def one(lam: float, lr: float, local: dict[str, int], rounds: int, every: int) -
         acc = row.get("client_accuracy") or []
         low = min(acc) if acc else float("nan")
         print(
-            f"  round {row['round']:3d}: personalized mean {pers.get('accuracy_mean', float('nan')):.3f}"
+            f"  round {row['round']:3d}: personalized mean"
+            f" {pers.get('accuracy_mean', float('nan')):.3f}"
             f" min {low:.3f} dropped {row.get('dropped_nonfinite', 0)}"
         )
     norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in result.global_params.values()))

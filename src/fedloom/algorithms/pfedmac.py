@@ -46,9 +46,8 @@ models, each hub weighted by ``hub_weighting``: ``members`` (default: the number
 assigned to it), ``reporting`` (the summed weight of its reporting clients: exactly the flat
 mean), or ``uniform``. The seed does not give the hub weights and the paper's text could not be
 checked here; with full participation and uniform client weights ``members`` equals the flat
-mean. The server learns each upload's client from ``ClientResult.info['client']`` (the engine
-does not tell ``aggregate`` who sent what). Bytes: the engine counts
-the client -> hub uploads; the hub -> server uploads (one model per hub that heard from a
+mean. The server learns each upload's client from ``ClientResult.client_id``. Bytes: the
+engine counts the client -> hub uploads; the hub -> server uploads (one model per hub that heard from a
 client) are counted in the server state and reported by ``summary_extras``.
 
 Defaults: the paper's values could not be retrieved here. beta = 1 (plain averaging) and
@@ -110,7 +109,17 @@ from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, add, clone, num_bytes, scale
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.solvers.local import local_sgd
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    Update,
+)
+from fedloom.solvers.steps import descend, loss_grad
 
 
 class PFedMacConfig(AlgorithmConfig):
@@ -210,7 +219,7 @@ class PFedMac(Algorithm):
         }
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        ids = [int(r.info["client"]) for r in results]
+        ids = [r.client_id for r in results]
         weights = [r.weight for r in results]
         hub_uploads = server["hub_uploads"]
         if self.hub_of is None:
@@ -274,70 +283,67 @@ class PFedMac(Algorithm):
     def inner_step_size(self) -> float:
         return self.config.inner_lr or self.ctx.lr
 
-    def solve_inner(
-        self,
-        omega: Tree,
-        buffers: Tree,
-        theta: Tree,
-        task: ClientTask,
-        batch: torch.Tensor,
-    ) -> tuple[Tree, Tree, float]:
-        """K (proximal) gradient steps on l_k(omega; batch) - lam <omega, theta>
-        [+ gamma ||omega||_1] from ``omega``: (omega, buffers, mean minibatch loss)."""
-        cfg, data = self.config, task.data
-        pull = scale(theta, -cfg.lam)
-
-        def correction(params: Tree) -> Tree:
-            return pull
-
-        lr = self.inner_step_size()
-        if cfg.gamma == 0:
-            solved = local_sgd(
-                self.ctx.model,
-                omega,
-                buffers,
-                data.x_train,
-                data.y_train,
-                [batch] * cfg.inner_steps,
-                lr,
-                correction,
-            )
-            return solved.params, solved.buffers, solved.loss
-        total = 0.0
-        for _ in range(cfg.inner_steps):
-            solved = local_sgd(
-                self.ctx.model, omega, buffers, data.x_train, data.y_train, [batch], lr, correction
-            )
-            omega, buffers = soft_threshold(solved.params, lr * cfg.gamma), solved.buffers
-            total += solved.loss
-        return omega, buffers, total / cfg.inner_steps
-
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult:
-        cfg = self.config
-        theta = clone(message["params"])
-        omega, buffers = clone(message["params"]), clone(message["buffers"])
-        step = task.lr * cfg.lam
-        losses = []
-        with self.ctx.model.random_stream(self.ctx.seed, task.round, task.client_id):
-            for batch in self.client_plan(task):
-                omega, buffers, loss = self.solve_inner(omega, buffers, theta, task, batch)
-                for k, v in theta.items():  # theta_k - eta lam (theta_k - omega_k)
-                    v.lerp_(omega[k], step)
-                losses.append(loss)
-        weight = self.ctx.objective_weight(task.client_id, cfg.weighting)
-        info = {"client": float(task.client_id), "sparsity": zero_fraction(omega)}
-        return ClientResult(
-            {"params": theta, "buffers": buffers},
-            weight,
-            sum(losses) / len(losses) if losses else 0.0,
-            state={"params": omega, "buffers": buffers},
-            info=info,
-        )
+    def make_program(self) -> ClientProgram:
+        return PFedMacProgram(self)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
         state = state or self.init_client_state(server, task.client_id)
         return state["params"], state["buffers"]
+
+
+class PFedMacProgram(ClientProgram):
+    """ClientUpdate of the pseudocode (the module doc): per minibatch, K (proximal) gradient
+    steps on omega, then theta_k's step toward omega."""
+
+    def __init__(self, algorithm: PFedMac) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.updates = (Update("local_round", (BATCHES,), self.local_round),)
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        return {BATCHES: Plan(self.algorithm.client_plan(task))}
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        """theta_k <- theta^t; omega_k <- theta^t."""
+        return {
+            "theta": message["params"],
+            "omega": message["params"],
+            "buffers": clone(message["buffers"]),  # updated in place by BatchNorm
+        }
+
+    def shared(self, message: Message, task: ClientTask) -> dict:
+        cfg = self.algorithm.config
+        return {"step": task.lr * cfg.lam, "inner_lr": self.algorithm.inner_step_size()}
+
+    def local_round(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """omega <- K steps of omega - p (grad l_k(omega; D) - lam theta_k) [then soft(., p
+        gamma)]; theta_k <- theta_k - eta lam (theta_k - omega)."""
+        (batch,) = batches
+        cfg, p = self.algorithm.config, shared["inner_lr"]
+        theta, omega, loss_sum = carry["theta"], carry["omega"], 0.0
+        for _ in range(cfg.inner_steps):
+            grads, loss = loss_grad(ops, self.model, omega, carry["buffers"], batch)
+            omega = descend(omega, {k: g - cfg.lam * theta[k] for k, g in grads.items()}, p)
+            if cfg.gamma > 0:
+                omega = soft_threshold(omega, p * cfg.gamma)
+            loss_sum = loss_sum + loss
+        theta = {k: v + shared["step"] * (omega[k] - v) for k, v in theta.items()}
+        new = {"theta": theta, "omega": omega, "buffers": carry["buffers"]}
+        return new, {"loss": loss_sum / cfg.inner_steps}
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
+    ) -> ClientResult:
+        algorithm, carry = self.algorithm, run.carry
+        weight = algorithm.ctx.objective_weight(task.client_id, algorithm.config.weighting)
+        return ClientResult(
+            {"params": carry["theta"], "buffers": carry["buffers"]},
+            weight,
+            run.metric("local_round"),
+            state={"params": carry["omega"], "buffers": carry["buffers"]},
+            info={"sparsity": zero_fraction(carry["omega"])},
+        )
