@@ -47,8 +47,8 @@ assigned to it), ``reporting`` (the summed weight of its reporting clients: exac
 mean), or ``uniform``. The seed does not give the hub weights and the paper's text could not be
 checked here; with full participation and uniform client weights ``members`` equals the flat
 mean. The server learns each upload's client from ``ClientResult.client_id``. Bytes: the
-engine counts the client -> hub uploads; the hub -> server uploads (one model per hub that heard from a
-client) are counted in the server state and reported by ``summary_extras``.
+engine counts the client -> hub uploads; the hub -> server uploads (one model per hub that
+heard from a client) are counted in the server state and reported by ``summary_extras``.
 
 Defaults: the paper's values could not be retrieved here. beta = 1 (plain averaging) and
 K = 5 inner steps follow pFedMe, on which pFedMac builds; inner_lr defaults to ``train.lr``.
