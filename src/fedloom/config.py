@@ -197,11 +197,8 @@ def parse_bytes(text: str | int | None) -> int:
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
-        raise ValueError(
-            f"cannot read {text!r}; write e.g. '512MB' or '2GiB'"
-        )
+        raise ValueError(f"cannot read {text!r}; write e.g. '512MB' or '2GiB'")
     return int(float(match.group(1)) * _UNITS[unit])
-
 
 
 class ExecutorConfig(StrictModel):

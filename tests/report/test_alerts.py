@@ -123,9 +123,7 @@ def test_a_diverging_client_update_norm(tmp_path):
     assert "client 3 (" in alerts[0].message and "client 5 (nan" in alerts[1].message
     assert "update_norm_exploding" not in alerts_of(tmp_path / "b", rows)
     relaxed = with_alerts(update_norm_growth_client=30.0)
-    assert alerts_of(tmp_path / "c", rows, config=relaxed)["client_update_norm_exploding"] == [
-        25.0
-    ]
+    assert alerts_of(tmp_path / "c", rows, config=relaxed)["client_update_norm_exploding"] == [25.0]
 
 
 def test_a_client_whose_personalized_accuracy_collapses(tmp_path):

@@ -78,19 +78,11 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
+    StepProgram,
 )
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, clone
-from fedloom.solvers.program import (
-    BATCHES,
-    Batch,
-    Carry,
-    ClientProgram,
-    ClientRun,
-    Ops,
-    Plan,
-    Update,
-)
+from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
 from fedloom.solvers.steps import descend, loss_grad
 
 F64 = torch.float64
@@ -291,18 +283,13 @@ def combine(average: State, weight: float, model: State, added: float) -> tuple[
     }, weight + added
 
 
-class APFLProgram(ClientProgram):
+class APFLProgram(StepProgram):
     """APFL's local step (the module doc): theta_k's and omega_k's updates from one minibatch,
     alpha_k's optional step, and with ``final_averaging`` the p_t-weighted iterate averages."""
 
     def __init__(self, algorithm: APFL) -> None:
-        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
-        self.algorithm = algorithm
+        super().__init__(algorithm)
         self.config = algorithm.config
-        self.updates = (Update("apfl", (BATCHES,), self.step),)
-
-    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
-        return {BATCHES: Plan(self.algorithm.client_plan(task))}
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         assert state is not None
@@ -373,7 +360,7 @@ class APFLProgram(ClientProgram):
     ) -> ClientResult:
         assert state is not None
         algorithm, carry = self.algorithm, run.carry
-        steps = run.steps.get("apfl", 0)
+        steps = run.steps.get(self.STEP, 0)
         personal = {"params": carry["omega"], "buffers": carry["omega_buffers"]}
         new_state: State = {
             "personal": personal,
@@ -406,7 +393,7 @@ class APFLProgram(ClientProgram):
             }
         info = {
             "alpha": float(carry["alpha"]),
-            "personal_loss": run.metric("apfl", "personal_loss"),
+            "personal_loss": run.metric(self.STEP, "personal_loss"),
         }
         weight_k = algorithm.ctx.objective_weight(task.client_id, self.config.weighting)
-        return ClientResult(upload, weight_k, run.metric("apfl"), state=new_state, info=info)
+        return ClientResult(upload, weight_k, run.metric(self.STEP), state=new_state, info=info)

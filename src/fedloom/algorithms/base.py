@@ -264,7 +264,28 @@ class Algorithm:
         }
 
 
-class SGDProgram(ClientProgram):
+class StepProgram(ClientProgram):
+    """A client program of one update, ``step``, per minibatch of the engine's plan
+    (``client_plan``): a subclass states ``init``, ``step`` and ``finish``."""
+
+    STEP = "step"
+    """The update's name (``ClientRun.metric(STEP)``)."""
+
+    def __init__(self, algorithm: Algorithm) -> None:
+        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
+        self.algorithm = algorithm
+        self.updates = (Update(self.STEP, (BATCHES,), self.step),)
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        return {BATCHES: Plan(self.algorithm.client_plan(task))}
+
+    def step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        raise NotImplementedError
+
+
+class SGDProgram(StepProgram):
     """The FedAvg family's client program, from the algorithm's hooks::
 
         w <- local_start;  v <- 0
@@ -278,14 +299,9 @@ class SGDProgram(ClientProgram):
     backend through ``step``."""
 
     def __init__(self, algorithm: Algorithm) -> None:
-        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
-        self.algorithm = algorithm
+        super().__init__(algorithm)
         self.momentum = algorithm.local_momentum()
         self.corrected = algorithm.has_correction()
-        self.updates = (Update("sgd", (BATCHES,), self.step),)
-
-    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
-        return {BATCHES: Plan(self.algorithm.client_plan(task))}
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         params, buffers = self.algorithm.local_start(message, state, task)
@@ -329,10 +345,10 @@ class SGDProgram(ClientProgram):
         solved = LocalSolution(
             carry["params"],
             carry["buffers"],
-            run.metric("sgd"),
+            run.metric(self.STEP),
             start,
             self.algorithm.local_lr(task),
-            run.steps.get("sgd", 0),
+            run.steps.get(self.STEP, 0),
             carry.get("velocity"),
         )
         return self.algorithm.local_finish(message, state, task, solved)

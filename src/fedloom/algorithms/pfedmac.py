@@ -104,21 +104,13 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
+    StepProgram,
 )
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, add, clone, num_bytes, scale
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.solvers.program import (
-    BATCHES,
-    Batch,
-    Carry,
-    ClientProgram,
-    ClientRun,
-    Ops,
-    Plan,
-    Update,
-)
+from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
 from fedloom.solvers.steps import descend, loss_grad
 
 
@@ -293,17 +285,9 @@ class PFedMac(Algorithm):
         return state["params"], state["buffers"]
 
 
-class PFedMacProgram(ClientProgram):
+class PFedMacProgram(StepProgram):
     """ClientUpdate of the pseudocode (the module doc): per minibatch, K (proximal) gradient
     steps on omega, then theta_k's step toward omega."""
-
-    def __init__(self, algorithm: PFedMac) -> None:
-        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
-        self.algorithm = algorithm
-        self.updates = (Update("local_round", (BATCHES,), self.local_round),)
-
-    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
-        return {BATCHES: Plan(self.algorithm.client_plan(task))}
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         """theta_k <- theta^t; omega_k <- theta^t."""
@@ -317,7 +301,7 @@ class PFedMacProgram(ClientProgram):
         cfg = self.algorithm.config
         return {"step": task.lr * cfg.lam, "inner_lr": self.algorithm.inner_step_size()}
 
-    def local_round(
+    def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
         """omega <- K steps of omega - p (grad l_k(omega; D) - lam theta_k) [then soft(., p
@@ -343,7 +327,7 @@ class PFedMacProgram(ClientProgram):
         return ClientResult(
             {"params": carry["theta"], "buffers": carry["buffers"]},
             weight,
-            run.metric("local_round"),
+            run.metric(self.STEP),
             state={"params": carry["omega"], "buffers": carry["buffers"]},
             info={"sparsity": zero_fraction(carry["omega"])},
         )

@@ -43,20 +43,12 @@ from fedloom.algorithms.base import (
     ClientTask,
     Message,
     State,
+    StepProgram,
 )
 from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree, clone
-from fedloom.solvers.program import (
-    BATCHES,
-    Batch,
-    Carry,
-    ClientProgram,
-    ClientRun,
-    Ops,
-    Plan,
-    Update,
-)
+from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
 from fedloom.solvers.steps import prox_sgd_step
 
 
@@ -101,16 +93,8 @@ class PFedMe(Algorithm):
         return state["params"], state["buffers"]
 
 
-class PFedMeProgram(ClientProgram):
+class PFedMeProgram(StepProgram):
     """pFedMe's local rounds: per minibatch, K prox steps on theta_k, then omega's step (6)."""
-
-    def __init__(self, algorithm: PFedMe) -> None:
-        super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
-        self.algorithm = algorithm
-        self.updates = (Update("local_round", (BATCHES,), self.local_round),)
-
-    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
-        return {BATCHES: Plan(self.algorithm.client_plan(task))}
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         """omega <- theta, theta_k <- theta (the broadcast model)."""
@@ -125,7 +109,7 @@ class PFedMeProgram(ClientProgram):
         lam = cfg.lam_schedule.at(cfg.lam, task.round, self.algorithm.ctx.rounds)
         return {"lam": lam, "eta": task.lr, "inner_lr": cfg.inner_lr}
 
-    def local_round(
+    def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
         """(6): theta_k <- K gradient steps on l_k(.; b) + lam/2 ||. - omega||^2 (warm start),
@@ -149,4 +133,4 @@ class PFedMeProgram(ClientProgram):
         upload = {"params": clone(carry["omega"]), "buffers": carry["buffers"]}
         weight = self.algorithm.ctx.objective_weight(task.client_id, cfg.weighting)
         new_state = {"params": carry["theta"], "buffers": carry["buffers"]}
-        return ClientResult(upload, weight, run.metric("local_round"), state=new_state)
+        return ClientResult(upload, weight, run.metric(self.STEP), state=new_state)

@@ -74,5 +74,3 @@ class ClientResult:
         """This result marked as client ``task.client_id``'s of round ``task.round``."""
         self.client_id, self.round = task.client_id, task.round
         return self
-
-

@@ -8,13 +8,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedloom.data.partition import (
-    KEY,
-    PARTITIONS,
-    Partition,
-    round_preserving_sum,
-    split_by_sizes,
-)
+from fedloom.data.partition import KEY, PARTITIONS, Partition, round_preserving_sum, split_by_sizes
 from fedloom.data.rotate import rotate_images
 from fedloom.errors import ConfigError
 

@@ -316,4 +316,3 @@ def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise bad(manifest_path, "the payload is not a dict")
     return payload
-

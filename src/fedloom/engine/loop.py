@@ -12,12 +12,7 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms import (
-    Algorithm,
-    AlgorithmContext,
-    ClientTask,
-    build_algorithm,
-)
+from fedloom.algorithms import Algorithm, AlgorithmContext, ClientTask, build_algorithm
 from fedloom.algorithms.base import Message
 from fedloom.config import RunConfig
 from fedloom.core import pytree

@@ -43,7 +43,6 @@ def draw_work(spec: int | WorkDistribution, seed: int, round: int, client: int) 
     return spec.values[int(torch.multinomial(probs, 1, generator=gen))]
 
 
-
 def full_budget(train: TrainConfig, seed: int, round: int, client: int, n: int) -> int:
     """Local steps ``client`` (holding ``n`` training samples) is asked to do in ``round``."""
     if train.local_steps is not None:
