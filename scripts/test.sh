@@ -6,4 +6,5 @@ bash scripts/setup.sh
 export FEDLOOM_DATA=${FEDLOOM_DATA:-../shared/data}
 export FEDLOOM_OFFLINE=1
 .venv/bin/ruff check src tests benchmarks examples
+.venv/bin/lint-imports  # the layers and no import cycles (pyproject.toml, [tool.importlinter])
 .venv/bin/python -m pytest -q "$@"
