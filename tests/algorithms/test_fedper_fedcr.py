@@ -189,9 +189,9 @@ def test_fedcr_local_statistics_are_the_geometric_mean_product_of_experts():
     mu = 3 * torch.randn(9, dim, generator=gen)
     var = 0.1 + torch.rand(9, dim, generator=gen)
     y = torch.tensor([0, 2, 0, 0, 2, 2, 2, 0, 2])
-    stats = ClassStatistics(classes, dim)
-    stats.add(mu[:4], var[:4], y[:4])  # two minibatches
-    stats.add(mu[4:], var[4:], y[4:])
+    stats = ClassStatistics.zeros(classes, dim)
+    stats = stats.add(mu[:4], var[:4], y[:4])  # two minibatches
+    stats = stats.add(mu[4:], var[4:], y[4:])
     up = stats.upload(torch.float64)
     assert up["ids"].tolist() == [0, 2]  # class 1 unseen: not uploaded
     for row, c in enumerate([0, 2]):
