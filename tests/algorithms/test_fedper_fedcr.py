@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.func import vmap
 
 import fedloom
 from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
@@ -22,6 +23,7 @@ from fedloom.data.load import load_dataset
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
 from fedloom.solvers.local import PlanMaker
+from fedloom.solvers.ops import AUTOGRAD, FUNC
 from tests.algorithms.digits_setup import DIRICHLET, digits_config
 from tests.algorithms.digits_setup import digits_ctx as make_ctx
 from tests.algorithms.digits_setup import run_digits as run
@@ -364,6 +366,37 @@ def active_fedcr(hidden: int, beta: float) -> tuple[Any, dict, dict]:
         k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in server["variance"].items()
     }
     return algo, server, algo.server_message(server)
+
+
+def test_value_and_grad_aux_gives_the_same_on_both_backends():
+    """Ops.value_and_grad_aux, which FedCR's step takes its statistics through: the gradient
+    and value of f, and f's auxiliary output out of the graph, one client with autograd and
+    a stack of clients under vmap alike."""
+    gen = torch.Generator().manual_seed(4)
+    params = {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(3, generator=gen)}
+    x = torch.randn(5, 4, generator=gen)
+
+    def f(p: dict, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(F.linear(xb, p["w"], p["b"]))
+        return (h**2).sum(), h
+
+    grads, value, aux = AUTOGRAD.value_and_grad_aux(f, params, x)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    expected, h = f(leaves, x)
+    by_hand = torch.autograd.grad(expected, list(leaves.values()))
+    assert float(value) == pytest.approx(float(expected.detach()), rel=1e-6)
+    assert torch.allclose(aux, h.detach()) and not aux.requires_grad
+    for k, g in zip(leaves, by_hand, strict=True):
+        assert torch.allclose(grads[k], g, atol=1e-6), k
+    stacked = {k: torch.stack([v, 2 * v]) for k, v in params.items()}
+    vgrads, vvalue, vaux = vmap(lambda p: FUNC.value_and_grad_aux(f, p, x))(stacked)
+    for c, scale in enumerate((1, 2)):
+        own = {k: scale * v for k, v in params.items()}
+        g, v, a = AUTOGRAD.value_and_grad_aux(f, own, x)
+        assert float(vvalue[c]) == pytest.approx(float(v), rel=1e-6)
+        assert torch.allclose(vaux[c], a, atol=1e-6)
+        for k in g:
+            assert torch.allclose(vgrads[k][c], g[k], atol=1e-5), (c, k)
 
 
 def test_fedcr_step_is_23_with_each_steps_noise_from_the_clients_stream():
