@@ -6,23 +6,29 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.func import vmap
 
 import fedloom
 from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
 from fedloom.algorithms.fedcr import ClassStatistics, gaussian_kl
 from fedloom.config import parse_config
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.rng import generator
 from fedloom.data.load import load_dataset
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
 from fedloom.solvers.local import PlanMaker
-from tests.algorithms.digits_setup import digits_config
+from fedloom.solvers.ops import AUTOGRAD, FUNC
+from tests.algorithms.digits_setup import DIRICHLET, digits_config
 from tests.algorithms.digits_setup import digits_ctx as make_ctx
 from tests.algorithms.digits_setup import run_digits as run
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
+from tests.algorithms.test_objective_programs import digits_clients, features
 from tests.resume import killed_and_resumed
 
 BODY = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
@@ -189,9 +195,9 @@ def test_fedcr_local_statistics_are_the_geometric_mean_product_of_experts():
     mu = 3 * torch.randn(9, dim, generator=gen)
     var = 0.1 + torch.rand(9, dim, generator=gen)
     y = torch.tensor([0, 2, 0, 0, 2, 2, 2, 0, 2])
-    stats = ClassStatistics(classes, dim)
-    stats.add(mu[:4], var[:4], y[:4])  # two minibatches
-    stats.add(mu[4:], var[4:], y[4:])
+    stats = ClassStatistics.zeros(classes, dim)
+    stats = stats.add(mu[:4], var[:4], y[:4])  # two minibatches
+    stats = stats.add(mu[4:], var[4:], y[4:])
     up = stats.upload(torch.float64)
     assert up["ids"].tolist() == [0, 2]  # class 1 unseen: not uploaded
     for row, c in enumerate([0, 2]):
@@ -342,6 +348,152 @@ def test_fedcr_statistics_come_from_the_last_full_local_epoch(epochs, extra):
     got, expected = classes(steps), classes(epochs * epoch or steps)
     for key in ("ids", "mean", "var"):
         assert torch.equal(got[key], expected[key]), key
+
+
+# -- FedCR: one client program, two backends ------------------------------------------------
+def active_fedcr(hidden: int, beta: float) -> tuple[Any, dict, dict]:
+    """(algorithm, server, message) of a round where every term of (23) acts: class
+    posteriors and a variance branch away from their initial (0, I) and (0, 0)."""
+    ctx = make_ctx(hidden=hidden)
+    algo = build_algorithm({"name": "fedcr", "beta": beta, "num_samples": 3}, ctx)
+    server = algo.init_server_state(*ctx.model.initial_state(0))
+    gen = torch.Generator().manual_seed(11)
+    server["classes"] = {
+        "mean": torch.randn(10, hidden, generator=gen),
+        "var": 0.2 + torch.rand(10, hidden, generator=gen),
+    }
+    server["variance"] = {
+        k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in server["variance"].items()
+    }
+    return algo, server, algo.server_message(server)
+
+
+def test_value_and_grad_aux_gives_the_same_on_both_backends():
+    """Ops.value_and_grad_aux, which FedCR's step takes its statistics through: the gradient
+    and value of f, and f's auxiliary output out of the graph, one client with autograd and
+    a stack of clients under vmap alike."""
+    gen = torch.Generator().manual_seed(4)
+    params = {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(3, generator=gen)}
+    x = torch.randn(5, 4, generator=gen)
+
+    def f(p: dict, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(F.linear(xb, p["w"], p["b"]))
+        return (h**2).sum(), h
+
+    grads, value, aux = AUTOGRAD.value_and_grad_aux(f, params, x)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    expected, h = f(leaves, x)
+    by_hand = torch.autograd.grad(expected, list(leaves.values()))
+    assert float(value) == pytest.approx(float(expected.detach()), rel=1e-6)
+    assert torch.allclose(aux, h.detach()) and not aux.requires_grad
+    for k, g in zip(leaves, by_hand, strict=True):
+        assert torch.allclose(grads[k], g, atol=1e-6), k
+    stacked = {k: torch.stack([v, 2 * v]) for k, v in params.items()}
+    vgrads, vvalue, vaux = vmap(lambda p: FUNC.value_and_grad_aux(f, p, x))(stacked)
+    for c, scale in enumerate((1, 2)):
+        own = {k: scale * v for k, v in params.items()}
+        g, v, a = AUTOGRAD.value_and_grad_aux(f, own, x)
+        assert float(vvalue[c]) == pytest.approx(float(v), rel=1e-6)
+        assert torch.allclose(vaux[c], a, atol=1e-6)
+        for k in g:
+            assert torch.allclose(vgrads[k][c], g[k], atol=1e-5), (c, k)
+
+
+def test_fedcr_step_is_23_with_each_steps_noise_from_the_clients_stream():
+    hidden, beta, lr, round_, client = 6, 0.5, 0.1, 4, 2
+    algo, server, message = active_fedcr(hidden, beta)
+    cfg, ctx = algo.config, algo.ctx
+    (data,) = digits_clients([9])
+    plan = [torch.arange(5), torch.arange(5, 9)]  # two steps of 5 and 4 samples: one epoch
+    state = algo.init_client_state(server, client)
+    result = algo.client_update(message, state, ClientTask(client, data, plan, lr, round_))
+
+    stream = generator(ctx.seed, "fedcr", round_, client)
+    params = {**message["params"], **state["params"]}
+    variance = dict(message["variance"])
+    classes = message["classes"]
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for idx in plan:
+        eps = torch.randn(cfg.num_samples, idx.shape[0], hidden, generator=stream)
+        x, y = data.x_train[idx], data.y_train[idx]
+        leaves = {k: v.clone().requires_grad_(True) for k, v in {**params, **variance}.items()}
+        mu = features(leaves, x)
+        sigma = F.softplus(F.linear(mu, leaves["weight"], leaves["bias"]) - cfg.alpha)
+        logits = F.linear(mu + sigma * eps, leaves["fc3.weight"], leaves["fc3.bias"])
+        ce = F.cross_entropy(logits.reshape(-1, 10), y.repeat(cfg.num_samples))
+        m, v, s2 = classes["mean"][y], classes["var"][y], sigma**2
+        kl = 0.5 * (torch.log(s2 / v) + (v + (m - mu) ** 2) / s2 - 1).sum(-1)
+        loss = ce + beta * kl.mean()
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+        seen.append((y, mu.detach(), s2.detach()))
+        params = {k: params[k] - lr * grads[k] for k in params}
+        variance = {k: variance[k] - lr * grads[k] for k in variance}
+    for k in BODY:
+        assert torch.allclose(result.upload["params"][k], params[k], atol=1e-6), k
+    for k in HEAD:
+        assert torch.allclose(result.state["params"][k], params[k], atol=1e-6), k
+    for k, value in variance.items():
+        assert torch.allclose(result.upload["variance"][k], value, atol=1e-6), k
+    # (21) over both steps' forward passes, written out
+    y, mu, s2 = (torch.cat(t) for t in zip(*seen, strict=True))
+    up = result.upload["classes"]
+    assert up["ids"].tolist() == sorted(set(y.tolist()))
+    for row, c in enumerate(up["ids"].tolist()):
+        precision = 1 / s2[y == c].double()
+        assert torch.allclose(up["var"][row].double(), 1 / precision.mean(0), rtol=1e-5)
+        mean = (precision * mu[y == c]).sum(0) / precision.sum(0)
+        assert torch.allclose(up["mean"][row].double(), mean, atol=1e-5)
+    # another client's stream: other noise, another model from the same data and plan
+    other = algo.client_update(message, state, ClientTask(client + 1, data, plan, lr, round_))
+    assert not torch.allclose(other.state["params"]["fc3.bias"], params["fc3.bias"], atol=1e-6)
+
+
+def test_fedcr_vmap_backend_keeps_each_clients_statistics_window(monkeypatch):
+    """Clients of unequal sizes in one vmapped chunk, each with its own window of the last
+    complete epoch (trailing partial epochs of other lengths; one client with fewer steps than
+    an epoch, masked out once done): the vectorized executor's results equal the sequential
+    client_update's, statistics included."""
+    import fedloom.solvers.vmap as vmap_backend
+    from fedloom.engine.vectorized import VectorizedExecutor
+
+    def no_tail(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a client ran one at a time")
+
+    algo, server, message = active_fedcr(hidden=200, beta=0.01)
+    cfg = parse_config(digits_config({"name": "fedcr"}, partition=DIRICHLET))
+    data = load_dataset(cfg.data, cfg.seed)
+    ctx = algo.ctx
+    ctx.batch_size, ctx.make_plan = 16, PlanMaker(0, 16)
+    ctx.population = {c: data.clients[c].num_train for c in range(6)}
+    tasks, windows = [], []
+    for c in range(6):
+        client = data.clients[c]
+        steps = 3 if c == 5 else 40  # five clients step together to the end: no tail
+        plan = ctx.make_plan(client, steps, "batches", 2, c)
+        tasks.append(ClientTask(c, client, plan, 0.05, 2))
+        windows.append(algo.statistics_steps(steps, client.num_train))
+    # measured: [0, 22), [17, 34), [24, 36), [26, 39), [30, 36) and [0, 3)
+    assert len({(w.start, w.stop) for w in windows}) == 6
+    assert sum(w.start > 0 and w.stop < 40 for w in windows) >= 3
+    states = [algo.init_client_state(server, c) for c in range(6)]
+    monkeypatch.setattr(vmap_backend, "run_steps", no_tail)
+    vectorized = VectorizedExecutor(ctx.model, chunk_size=8).run_round(algo, message, tasks, states)
+    for task, state, got in zip(tasks, states, vectorized, strict=True):
+        expected = algo.client_update(message, state, task)
+        c = task.client_id
+        assert got.loss == pytest.approx(expected.loss, rel=1e-5), c
+        assert torch.equal(got.state["steps"], expected.state["steps"]), c
+        assert torch.equal(got.upload["classes"]["ids"], expected.upload["classes"]["ids"]), c
+        # measured: at most 7.2e-7 apart (statistics, variance branch, body and head)
+        for part in ("params", "variance", "classes"):
+            for k, value in expected.upload[part].items():
+                assert torch.allclose(got.upload[part][k].double(), value.double(), atol=1e-5), (
+                    c,
+                    part,
+                    k,
+                )
+        for k, value in expected.state["params"].items():
+            assert torch.allclose(got.state["params"][k], value, atol=1e-5), (c, k)
 
 
 def test_fedcr_killed_and_resumed_equals_uninterrupted(tmp_path):

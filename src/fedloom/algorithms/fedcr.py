@@ -6,8 +6,9 @@ FedPer's split (:mod:`fedloom.algorithms.fedper`): the body w^f (feature extract
 averaged, the head w^p (a single ``nn.Linear``, the final classifier) stays personal. FedCR makes
 the representation stochastic and aligns it across clients class by class.
 
-Representation, for the head input h(x) of dimension d (generic: read with a forward pre-hook on
-the head module, so every model whose head is one Linear layer works)::
+Representation, for the head input h(x) of dimension d (generic: read by
+``FunctionalModel.forward_with_features``, a forward pre-hook on the head module, so every model
+whose head is one Linear layer works)::
 
     p(z | x) = N(mu(x), diag(sigma^2(x))),  mu(x) = h(x),  sigma(x) = softplus(V h(x) + b - alpha)
     z = mu + sigma * eps,  eps ~ N(0, I)     # reparameterization; eps from the client's stream
@@ -33,10 +34,22 @@ analytic for diagonal Gaussians::
 
     KL[N(m, v) || N(mu, s^2)] = 1/2 sum_d [ log(s_d^2 / v_d) + (v_d + (m_d - mu_d)^2) / s_d^2 - 1 ]
 
-All parameters (body, variance branch, head) take plain SGD steps on L_i (autograd; FedCR runs its
-own client_update, so the vectorized executor runs its clients one at a time: same numbers, no
-speed-up). At inference a client uses head(mu(x)): for a linear head this is exactly the
-expectation E_eps[head(z)] of the logits the paper's code averages over ``num_avg`` draws.
+All parameters (body, variance branch, head) take plain SGD steps on L_i together (the
+pseudocode's "update the whole network by SGD on the local objective"). At inference a client
+uses head(mu(x)): for a linear head this is exactly the expectation E_eps[head(z)] of the
+logits the paper's code averages over ``num_avg`` draws.
+
+The local step is one client program (:class:`FedCRProgram`, solvers/program.py) that both
+backends run: the sequential one client at a time with autograd, the vmap backend a chunk of
+clients at once under ``torch.func.vmap`` (sequential == vectorized within 1e-4, tested). It is
+a pure function of the carry: the noise eps of every step is drawn in ``init`` from the
+client's stream (S x n_s x d per step, in step order: the same draws as drawing at each step),
+a step counter picks the step's row; the class statistics (21) are sums in the carry that
+a step adds its real samples to (padding weights ``batch.w`` > 0) when the counter lies in the
+client's window of the last complete epoch (tensor comparisons, no Python branch); the
+forward pass's mu(x) and sigma^2(x) leave the differentiated function as auxiliary outputs
+(``Ops.value_and_grad_aux``), so there is no second forward pass. The noise table costs
+steps x S x width x d floats per client of a chunk (digits, 2NN, 16 steps of 16: 3 MB).
 
 Local class statistics (21), the geometric-mean product of experts of the N_i^c samples of
 class c seen by the forward passes of the client's last complete local epoch (the seed: "taken
@@ -69,7 +82,8 @@ P_t, the default) or n_k / n (``samples``).
 ``deterministic: true`` drops the variance branch (Sigma(x) = 0, z = mu) and the class
 statistics: the KL of (23) is then infinite, so beta is 0 (its default there; a beta > 0 with it
 is a config error), and FedCR is FedPer (the seed's remark after (23): beta = 0 and
-Sigma(x) = 0 give FedPer; a test checks it on every client's deployed model).
+Sigma(x) = 0 give FedPer): it runs FedPer's plain SGD program, and a test checks it on every
+client's deployed model.
 
 Communication: down, body + variance branch + every class's (mu^c, diag Sigma^c); up, body +
 variance branch + the client's classes' (mu_i^c, diag Sigma_i^c) and their int64 ids. There is
@@ -90,6 +104,8 @@ neither is done here.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,14 +118,26 @@ from fedloom.algorithms.base import (
     ClientResult,
     ClientTask,
     Message,
+    SGDProgram,
     State,
 )
+from fedloom.algorithms.fedgen import at_step
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.solvers.objective_sgd import head_input
+from fedloom.solvers.program import (
+    BATCHES,
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    Ops,
+    Plan,
+    RoundExtent,
+)
+from fedloom.solvers.steps import descend
 
 DEFAULT_BETA = 0.001
 """beta of the stochastic representation (the paper's 1e-3)."""
@@ -162,20 +190,50 @@ def gaussian_kl(
     return 0.5 * (torch.log(s2 / v) + (v + (m - mu) ** 2) / s2 - 1.0).sum(dim=-1)
 
 
+@dataclass(frozen=True)
 class ClassStatistics:
-    """Running sums of the local geometric-mean product of experts (21), per class: sum of
-    precisions, sum of precision-weighted means and the sample count (float64)."""
+    """Sums of the local geometric-mean product of experts (21), per class: the precisions,
+    the precision-weighted means and the sample count (float64). Pure: ``add`` returns new
+    sums, so they live in a client program's carry (a dict: ``tree`` / ``ClassStatistics(**)``)."""
 
-    def __init__(self, num_classes: int, dim: int) -> None:
-        self.precision = torch.zeros(num_classes, dim, dtype=torch.float64)
-        self.shift = torch.zeros(num_classes, dim, dtype=torch.float64)
-        self.count = torch.zeros(num_classes, dtype=torch.float64)
+    precision: torch.Tensor
+    shift: torch.Tensor
+    count: torch.Tensor
 
-    def add(self, mu: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> None:
+    @classmethod
+    def zeros(cls, num_classes: int, dim: int) -> ClassStatistics:
+        return cls(
+            torch.zeros(num_classes, dim, dtype=torch.float64),
+            torch.zeros(num_classes, dim, dtype=torch.float64),
+            torch.zeros(num_classes, dtype=torch.float64),
+        )
+
+    def tree(self) -> Tree:
+        return {"precision": self.precision, "shift": self.shift, "count": self.count}
+
+    def add(
+        self,
+        mu: torch.Tensor,
+        var: torch.Tensor,
+        y: torch.Tensor,
+        keep: torch.Tensor | None = None,
+    ) -> ClassStatistics:
+        """The sums with the samples (mu_n, diag var_n) of classes ``y`` added, those where
+        the boolean ``keep`` is True only (default: all). A one-hot product instead of
+        ``index_add``, so it runs under ``vmap``; dropped samples add exact zeros."""
         precision = 1.0 / var.to(torch.float64)
-        self.precision.index_add_(0, y, precision)
-        self.shift.index_add_(0, y, precision * mu.to(torch.float64))
-        self.count.index_add_(0, y, torch.ones(y.shape[0], dtype=torch.float64))
+        shift = precision * mu.to(torch.float64)
+        member = y[:, None] == torch.arange(self.count.shape[0], device=y.device)
+        if keep is not None:
+            member = member & keep[:, None]
+            precision = torch.where(keep[:, None], precision, 0.0)  # no 0 * inf or 0 * nan
+            shift = torch.where(keep[:, None], shift, 0.0)
+        onehot = member.to(torch.float64)  # (n, classes)
+        return ClassStatistics(
+            self.precision + onehot.T @ precision,
+            self.shift + onehot.T @ shift,
+            self.count + onehot.sum(dim=0),
+        )
 
     def upload(self, dtype: torch.dtype) -> Tree:
         """(ids, mu_i^c, diag Sigma_i^c) of the classes seen: Lambda = sum / N, mu = shift / sum."""
@@ -275,80 +333,140 @@ class FedCR(FedPer):
         full = num_steps // epoch
         return range(num_steps) if full == 0 else range((full - 1) * epoch, full * epoch)
 
-    def local_objective(
-        self,
-        h: torch.Tensor,
-        y: torch.Tensor,
-        head: nn.Linear,
-        variance: Tree,
-        message: Message,
-        eps_stream: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(23) on a minibatch with head inputs ``h`` = mu(x): the CE averaged over
-        ``num_samples`` reparameterized draws of z, plus beta times the mean KL from the class
-        posteriors in ``message``; also returns sigma^2(x)."""
-        cfg = self.config
-        sigma = F.softplus(F.linear(h, variance["weight"], variance["bias"]) - cfg.alpha)
-        sigma = sigma.clamp_min(MIN_SIGMA)
-        eps = torch.randn((cfg.num_samples, *h.shape), generator=eps_stream, dtype=h.dtype)
-        logits = F.linear(h + sigma * eps, head.weight, head.bias)  # (samples, batch, classes)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.repeat(cfg.num_samples))
-        s2 = sigma**2
-        if cfg.beta > 0:
-            classes = message["classes"]
-            kl = gaussian_kl(classes["mean"][y], classes["var"][y], h, s2)
-            loss = loss + cfg.beta * kl.mean()
-        return loss, s2
+    def make_program(self) -> ClientProgram:
+        """FedCRProgram; deterministic features: FedPer's plain SGD program."""
+        return FedCRProgram(self) if self.stochastic else super().make_program()
 
-    def client_update(
-        self, message: Message, state: State | None, task: ClientTask
+
+KEY = "fedcr"
+"""The carry's key of FedCR's own variables: the variance branch, the noise table, the step
+counter, the statistics window and the class statistics."""
+
+VARIANCE = "fedcr.variance."
+"""Prefix of the variance branch's tensors among the differentiated parameters."""
+
+
+def representation_loss(
+    h: torch.Tensor,
+    batch: Batch,
+    head: tuple[torch.Tensor, torch.Tensor],
+    variance: Tree,
+    eps: torch.Tensor,
+    classes: Tree,
+    config: FedCRConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(23) on a minibatch with head inputs ``h`` = mu(x) (n, d) and noise ``eps``
+    (S, n, d): the CE of the (linear) ``head`` on z = mu + sigma eps, averaged over the S draws
+    and the real samples, plus beta times the mean KL from the class posteriors ``classes``;
+    also returns sigma^2(x) (n, d)."""
+    sigma = F.softplus(F.linear(h, variance["weight"], variance["bias"]) - config.alpha)
+    sigma = sigma.clamp_min(MIN_SIGMA)
+    logits = F.linear(h + sigma * eps, *head)  # (samples, batch, classes)
+    s, n = eps.shape[0], eps.shape[1]
+    ce = F.cross_entropy(logits.reshape(s * n, -1), batch.y.repeat(s), reduction="none")
+    loss = batch.mean(ce.view(s, n).mean(dim=0))
+    s2 = sigma**2
+    if config.beta > 0:
+        kl = gaussian_kl(classes["mean"][batch.y], classes["var"][batch.y], h, s2)
+        loss = loss + config.beta * batch.mean(kl)
+    return loss, s2
+
+
+class FedCRProgram(SGDProgram):
+    """FedCR's local step, one client program for both backends: SGD on (23) over the body,
+    the head and the variance branch together, the class statistics (21) of the last
+    complete epoch accumulated in the carry.
+
+    The carry adds, under ``fedcr``: the variance branch (V, b); the noise eps of every step,
+    drawn in ``init`` from the client's stream (seed, 'fedcr', round, client), step by step,
+    (S, n_s, d) each, into a table zero-padded to the round's longest and widest plan
+    (:class:`RoundExtent`); the step counter s; the window [first, last) of
+    ``FedCR.statistics_steps``; and the sums of :class:`ClassStatistics`. Step s adds its
+    samples to the sums where first <= s < last and the sample is real (``batch.w`` > 0):
+    tensor comparisons, no Python branch, so a chunk of clients with their own windows steps
+    together under vmap. mu(x) = h(x) comes from ``forward_with_features``."""
+
+    def __init__(self, algorithm: FedCR) -> None:
+        super().__init__(algorithm)
+        self.algorithm: FedCR = algorithm
+        self.config: FedCRConfig = algorithm.config
+        head = algorithm.head_name
+        self.head_keys = (f"{head}.weight", f"{head}.bias")
+        self.extent = RoundExtent()
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        plans = super().plans(message, state, task)
+        self.extent.add(task.round, plans[BATCHES].batches)
+        return plans
+
+    def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        carry = super().init(message, state, task)
+        plan = self.algorithm.client_plan(task)
+        window = self.algorithm.statistics_steps(len(plan), task.data.num_train)
+        stats = ClassStatistics.zeros(self.algorithm.num_classes, self.algorithm.dim)
+        carry[KEY] = {
+            "variance": dict(message["variance"]),
+            "eps": self.draws(task, message["variance"]["bias"].dtype),
+            "step": torch.zeros((), dtype=torch.long),
+            "window": torch.tensor([window.start, window.stop]),
+            "stats": stats.tree(),
+        }
+        return carry
+
+    def draws(self, task: ClientTask, dtype: torch.dtype) -> torch.Tensor:
+        """eps of every local step s, (S, n_s, d), from the stream (seed, 'fedcr', round,
+        client) in step order, in a (steps, S, width, d) table padded with zeros."""
+        plan = self.algorithm.client_plan(task)
+        steps, width = self.extent.covering(task.round, plan)
+        samples, dim = self.config.num_samples, self.algorithm.dim
+        stream = generator(self.seed, "fedcr", task.round, task.client_id)
+        eps = torch.zeros(steps, samples, width, dim, dtype=dtype)
+        for s, idx in enumerate(plan):
+            n = idx.shape[0]
+            eps[s, :, :n] = torch.randn((samples, n, dim), generator=stream, dtype=dtype)
+        return eps
+
+    def step(
+        self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        (batch,) = batches
+        params, buffers, own = carry["params"], carry["buffers"], carry[KEY]
+        step = own["step"]
+        eps = at_step(own["eps"], step)[:, : batch.y.shape[0]]  # padded under vmap
+        classes = shared["message"].get("classes")
+        trainable = {**params, **{VARIANCE + k: v for k, v in own["variance"].items()}}
+
+        # buffers as an argument: BatchNorm's forward updates them in place
+        def loss(p: Tree, b: Tree) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            model = {k: p[k] for k in params}
+            variance = {k: p[VARIANCE + k] for k in own["variance"]}
+            _, h = self.model.forward_with_features(model, b, batch.x, self.algorithm.head_name)
+            head = (model[self.head_keys[0]], model[self.head_keys[1]])
+            value, s2 = representation_loss(h, batch, head, variance, eps, classes, self.config)
+            return value, (h.detach(), s2.detach())
+
+        grads, value, (h, s2) = ops.value_and_grad_aux(loss, trainable, buffers)
+        moved = descend(trainable, grads, shared["lr"])
+        window = own["window"]
+        keep = (batch.w > 0) & (window[0] <= step) & (step < window[1])
+        stats = ClassStatistics(**own["stats"]).add(h, s2, batch.y, keep)
+        new = {
+            "variance": {k: moved[VARIANCE + k] for k in own["variance"]},
+            "eps": own["eps"],
+            "step": step + 1,
+            "window": window,
+            "stats": stats.tree(),
+        }
+        return {**carry, "params": {k: moved[k] for k in params}, KEY: new}, {"loss": value}
+
+    def finish(
+        self, message: Message, state: State | None, task: ClientTask, run: ClientRun
     ) -> ClientResult:
-        assert state is not None
-        cfg, model, data = self.config, self.ctx.model, task.data
-        params, buffers = self.local_start(message, state, task)
-        lean = model.lean()  # the sequential solver's private copy, loaded with this client
-        lean.load(params, buffers)
-        flat, flat_grad = lean.flat, lean.flat_grad
-        head = lean.module.get_submodule(self.head_name)
-        variance: Tree = {}
-        if self.stochastic:
-            variance = {
-                k: v.detach().clone().requires_grad_(True) for k, v in message["variance"].items()
-            }
-            stats = ClassStatistics(self.num_classes, self.dim)
-            eps_stream = generator(self.ctx.seed, "fedcr", task.round, task.client_id)
-        plan, lr = self.client_plan(task), self.local_lr(task)
-        window = self.statistics_steps(len(plan), data.num_train)
-        total = 0.0
-        with (
-            model.random_stream(self.ctx.seed, task.round, task.client_id),
-            head_input(head) as store,
-        ):
-            for step, idx in enumerate(plan):
-                flat_grad.zero_()
-                xb, yb = data.x_train[idx], data.y_train[idx]
-                with torch.enable_grad():
-                    out = lean.module(xb)
-                    if self.stochastic:
-                        h = store["h"]
-                        loss, s2 = self.local_objective(h, yb, head, variance, message, eps_stream)
-                    else:
-                        loss = model.loss_from_output(out, yb)
-                    loss.backward()
-                with torch.no_grad():
-                    flat.sub_(flat_grad, alpha=lr)
-                    for v in variance.values():
-                        assert v.grad is not None
-                        v.sub_(v.grad, alpha=lr)
-                        v.grad = None
-                    if self.stochastic and step in window:
-                        stats.add(h.detach(), s2.detach(), yb)
-                total += float(loss.detach())
-        new_params, new_buffers = lean.params(), lean.buffers_copy()
-        upload: Message = self.split.shared(new_params, new_buffers)
-        if self.stochastic:
-            upload["variance"] = {k: v.detach() for k, v in variance.items()}
-            upload["classes"] = stats.upload(flat.dtype)
-        new_state = self.personal_state(state, new_params, new_buffers, len(plan))
-        weight = self.ctx.objective_weight(task.client_id, cfg.weighting)
-        return ClientResult(upload, weight, total / max(1, len(plan)), state=new_state)
+        """FedPer's result (body up, head kept) plus the variance branch and the statistics
+        (mu_i^c, diag Sigma_i^c) of the classes seen in the window."""
+        result = super().finish(message, state, task, run)
+        own = run.carry[KEY]
+        dtype = own["variance"]["bias"].dtype
+        result.upload["variance"] = own["variance"]
+        result.upload["classes"] = ClassStatistics(**own["stats"]).upload(dtype)
+        return result

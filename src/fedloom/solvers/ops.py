@@ -32,6 +32,21 @@ class AutogradOps:
             value = value.detach()
         return dict(zip(leaves, grads, strict=True)), value
 
+    def value_and_grad_aux(
+        self, f: Callable[..., tuple[torch.Tensor, Any]], params: Tree, *args: Any
+    ) -> tuple[Tree, torch.Tensor, Any]:
+        """As ``value_and_grad`` for ``f`` returning (scalar, aux): (grads, scalar, aux), aux
+        out of the graph."""
+        held: list[Any] = []
+
+        def value(p: Tree, *a: Any) -> torch.Tensor:
+            v, aux = f(p, *a)
+            held.append(aux)
+            return v
+
+        grads, v = self.value_and_grad(value, params, *args)
+        return grads, v, _detached(held[0])
+
 
 class FuncOps:
     """Many clients under ``vmap``: ``torch.func.grad_and_value`` (composable with vmap and
@@ -41,6 +56,23 @@ class FuncOps:
         self, f: Callable[..., torch.Tensor], params: Tree, *args: Any
     ) -> tuple[Tree, torch.Tensor]:
         return grad_and_value(f)(params, *args)
+
+    def value_and_grad_aux(
+        self, f: Callable[..., tuple[torch.Tensor, Any]], params: Tree, *args: Any
+    ) -> tuple[Tree, torch.Tensor, Any]:
+        grads, (value, aux) = grad_and_value(f, has_aux=True)(params, *args)
+        return grads, value, aux
+
+
+def _detached(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples detached."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, dict):
+        return {k: _detached(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(v) for v in obj)
+    return obj
 
 
 AUTOGRAD = AutogradOps()

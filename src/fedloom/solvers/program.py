@@ -74,6 +74,16 @@ class Ops(Protocol):
         nested inside ``f`` of an outer call (second-order methods)."""
         ...
 
+    def value_and_grad_aux(
+        self,
+        f: Callable[..., tuple[torch.Tensor, Any]],
+        params: dict[str, torch.Tensor],
+        *args: Any,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, Any]:
+        """(d f / d params, f, aux) for ``f(params, *args)`` returning (scalar, aux): values of
+        the same forward pass the gradient needs no part of (FedCR's class statistics)."""
+        ...
+
 
 UpdateFn = Callable[[Ops, Carry, tuple[Batch, ...], dict[str, Any]], tuple[Carry, dict]]
 """(ops, carry, batches, shared) -> (new carry, metrics): one update of one client at one step.
@@ -101,6 +111,26 @@ class Plan:
     @property
     def end(self) -> int:
         return self.start + len(self.batches)
+
+
+class RoundExtent:
+    """The most local steps and the widest minibatch among a round's plans so far: the shape
+    of tables of per-step draws in a carry (FedCR's noise), which the vmap backend stacks
+    over a chunk, so every client's must have one shape. The backends make every client's
+    plans before any client's carry; a table padded to this shape holds the same draws."""
+
+    def __init__(self) -> None:
+        self.round, self.steps, self.width = -1, 0, 0
+
+    def covering(self, round: int, plan: list[torch.Tensor]) -> tuple[int, int]:
+        """(steps, width) of the round's plans seen so far and ``plan``."""
+        steps, width = (self.steps, self.width) if round == self.round else (0, 0)
+        return max(steps, len(plan)), max([width, *(b.shape[0] for b in plan)])
+
+    def add(self, round: int, plan: list[torch.Tensor]) -> None:
+        """Count ``plan`` among the round's plans."""
+        self.steps, self.width = self.covering(round, plan)
+        self.round = round
 
 
 @dataclass
