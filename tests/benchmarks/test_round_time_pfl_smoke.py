@@ -111,7 +111,7 @@ def test_reference_computes_fedloom_rounds_on_full_batches(round_time: Any, name
     if name == "perfedavg":  # keeps no client state
         return
     for client in range(wl.clients):
-        ours = fedloom_personal(name, engine.st["clients"].get(client))
+        ours = fedloom_personal(name, engine.st.clients.get(client))
         theirs = reference_personal(reference.pfl.personal[client])
         assert set(theirs) <= set(ours)
         for k, v in theirs.items():
