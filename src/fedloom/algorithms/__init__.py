@@ -8,14 +8,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fedloom.algorithms.base import (
-    ALGORITHMS,
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-)
+from fedloom.algorithms.base import ALGORITHMS, Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.core.protocol import ClientResult, ClientTask
 from fedloom.errors import ConfigError
 
 

@@ -71,16 +71,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-    StepProgram,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
 from fedloom.solvers.steps import descend, loss_grad

@@ -21,17 +21,8 @@ from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
+from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
-from fedloom.solvers.program import (
-    BATCHES,
-    Batch,
-    Carry,
-    ClientProgram,
-    ClientRun,
-    Ops,
-    Plan,
-    Update,
-)
 from fedloom.solvers.sequential import run_client
 from fedloom.solvers.steps import descend
 
@@ -91,11 +82,16 @@ class Algorithm:
     pooled: ClassVar[bool] = False
     """True for the centralized reference: one virtual client holds all training data."""
     has_global_model: ClassVar[bool] = True
+    classification_only: ClassVar[str] = ""
+    """Why the algorithm needs a classification task (class counts, prototypes ...); empty:
+    any task. Checked when the algorithm is built."""
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         self.config = config
         self.ctx = ctx
         self._program: ClientProgram | None = None
+        if self.classification_only:
+            self.require_classification(self.classification_only)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_program": None}  # programs hold vmapped closures

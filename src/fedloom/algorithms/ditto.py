@@ -52,16 +52,9 @@ from typing import Any
 import torch
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.schedule import Schedule, schedule_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.errors import unknown_name_message
 from fedloom.solvers.program import (

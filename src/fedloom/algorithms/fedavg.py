@@ -11,7 +11,8 @@ Pseudocode of the card, line by line::
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import Algorithm, ClientResult, State
+from fedloom.algorithms.base import Algorithm
+from fedloom.core.protocol import ClientResult, State
 
 
 class FedAvg(Algorithm):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, ClientTask, State
+from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import local_sgd
 

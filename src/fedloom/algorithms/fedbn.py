@@ -28,8 +28,9 @@ sharing pattern itself is :mod:`fedloom.algorithms.partial`, shared with FedPer 
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, ClientTask
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.partial import PartialSharing
+from fedloom.core.protocol import ClientTask
 from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
 from fedloom.solvers.norm_calibration import calibrate_norm_stats

@@ -112,31 +112,15 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
-from fedloom.algorithms.base import (
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    SGDProgram,
-    State,
-)
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, SGDProgram
 from fedloom.algorithms.fedgen import at_step
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.solvers.program import (
-    BATCHES,
-    Batch,
-    Carry,
-    ClientProgram,
-    ClientRun,
-    Ops,
-    Plan,
-    RoundExtent,
-)
+from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, RoundExtent
 from fedloom.solvers.steps import descend
 
 DEFAULT_BETA = 0.001
@@ -250,6 +234,7 @@ class FedCR(FedPer):
     name = "fedcr"
     summary = "FedCR: FedPer with a stochastic representation aligned class-wise across clients"
     Config = FedCRConfig
+    classification_only = "class-wise statistics"
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -261,7 +246,6 @@ class FedCR(FedPer):
                 f"algorithm.name: fedcr needs a model whose head (FedModel.head_modules) is one "
                 f"nn.Linear layer, and {type(module).__name__}'s is {heads}"
             )
-        self.require_classification("class-wise statistics")
         self.head_name = heads[0]
         self.dim = head.in_features
         self.num_classes = head.out_features

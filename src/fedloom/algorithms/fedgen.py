@@ -86,17 +86,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.objective import ObjectiveProgram, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.solvers.local import LocalSolution
@@ -239,10 +232,10 @@ class FedGen(Algorithm):
     name = "fedgen"
     summary = "FedGen: a server-trained feature generator regularizes the clients' heads"
     Config = FedGenConfig
+    classification_only = "a generator of features by class"
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
-        self.require_classification("a generator of features by class")
         self.head_name = single_head(ctx.model, "fedgen")
         head = ctx.model.module.get_submodule(self.head_name)
         self.dim, self.num_classes = head.in_features, head.out_features

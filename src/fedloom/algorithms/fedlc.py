@@ -57,18 +57,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig
 from fedloom.algorithms.objective import ObjectiveProgram, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
@@ -151,10 +144,7 @@ class FedLC(Algorithm):
     name = "fedlc"
     summary = "FedLC: FedAvg with logits calibrated by tau n_c^(-1/4) in the local loss"
     Config = FedLCConfig
-
-    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
-        super().__init__(config, ctx)
-        self.require_classification("class counts")
+    classification_only = "class counts"
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return self.aggregate_models(results)

@@ -32,14 +32,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add
 from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.steps import proximal_gradient

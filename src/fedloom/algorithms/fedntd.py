@@ -38,18 +38,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.objective import ObjectiveProgram, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
@@ -101,10 +95,7 @@ class FedNTD(FedAvg):
     name = "fedntd"
     summary = "FedNTD: FedAvg with not-true-class distillation from the global model"
     Config = FedNTDConfig
-
-    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
-        super().__init__(config, ctx)
-        self.require_classification("not-true classes")
+    classification_only = "not-true classes"
 
     def make_program(self) -> ClientProgram:
         return FedNTDProgram(self)

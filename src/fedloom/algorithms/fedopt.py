@@ -34,7 +34,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, ClientResult, State
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.core.protocol import ClientResult, State
 from fedloom.core.pytree import Tree, zeros_like
 
 Slots = dict[str, Tree]

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, ClientTask, State
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.partial import PartialSharing
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
 from fedloom.solvers.objective_sgd import objective_sgd

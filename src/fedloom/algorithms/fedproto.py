@@ -48,18 +48,11 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.objective import ObjectiveProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.objective_sgd import single_head
@@ -139,12 +132,12 @@ class FedProto(Algorithm):
     name = "fedproto"
     summary = "FedProto: local models regularized to global class prototypes, only those shared"
     Config = FedProtoConfig
+    classification_only = "class prototypes"
     has_global_model = False
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         self.head = single_head(ctx.model, self.name)
-        self.require_classification("class prototypes")
         linear = ctx.model.module.get_submodule(self.head)
         assert isinstance(linear, nn.Linear)
         self.dim, self.num_classes = linear.in_features, linear.out_features

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, Message, State
+from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.schedule import Schedule, schedule_field
+from fedloom.core.protocol import Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.steps import proximal_gradient
 

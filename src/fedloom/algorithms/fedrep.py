@@ -39,21 +39,12 @@ from __future__ import annotations
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from fedloom.algorithms.base import ClientResult, ClientTask, Message, State
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import clone
+from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.local import steps_per_epoch
-from fedloom.solvers.program import (
-    BATCHES,
-    Batch,
-    Carry,
-    ClientProgram,
-    ClientRun,
-    Ops,
-    Plan,
-    Update,
-)
 from fedloom.solvers.steps import descend, subset_loss_grad
 
 HEAD_EPOCHS = 10

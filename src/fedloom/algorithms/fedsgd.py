@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import Algorithm
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import add
 from fedloom.solvers.local import LocalSolution
 

@@ -47,15 +47,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, sub
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError

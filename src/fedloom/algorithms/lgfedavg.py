@@ -41,9 +41,10 @@ implemented here.
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, ClientTask
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.partial import PartialSharing
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientTask
 from fedloom.errors import ConfigError
 
 

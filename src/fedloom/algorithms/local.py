@@ -3,7 +3,8 @@ never communicates. The lower reference of every algorithm card's baselines."""
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import Algorithm
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.local import LocalSolution
 

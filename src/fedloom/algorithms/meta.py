@@ -21,7 +21,8 @@ from typing import Any
 
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmContext, ClientTask, State
+from fedloom.algorithms.base import Algorithm, AlgorithmContext
+from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.objective_sgd import objective_sgd
 

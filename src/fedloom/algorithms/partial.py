@@ -22,16 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, select
 from fedloom.solvers.local import LocalSolution
 

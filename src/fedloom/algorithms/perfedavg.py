@@ -51,22 +51,14 @@ from typing import Literal
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from fedloom.algorithms.base import AlgorithmConfig, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
-from fedloom.solvers.program import (
-    BATCHES,
-    Batch,
-    Carry,
-    ClientProgram,
-    ClientRun,
-    Ops,
-    Plan,
-    Update,
-)
+from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.steps import descend, loss_grad
 
 Variant = Literal["fo", "hf", "so"]

@@ -96,17 +96,9 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-    StepProgram,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, StepProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, num_bytes, scale
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError

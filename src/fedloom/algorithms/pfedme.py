@@ -36,17 +36,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-    StepProgram,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram
 from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
 from fedloom.solvers.steps import prox_sgd_step

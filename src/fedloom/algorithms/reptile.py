@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedopt import ServerOptimizer, Slots
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import LocalSolution
 

@@ -24,15 +24,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    ClientResult,
-    ClientTask,
-    Message,
-    State,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, sub, zeros_like
 from fedloom.solvers.local import LocalSolution
 

@@ -16,11 +16,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import Algorithm
 from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
+from fedloom.engine.executor import States
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.processes import MultiprocessExecutor
 from fedloom.engine.sequential import SequentialExecutor
@@ -175,11 +176,7 @@ class AutoExecutor:
         return min(self.timings, key=self.timings.__getitem__)
 
     def run_round(
-        self,
-        algorithm: Algorithm,
-        message: Message,
-        tasks: list[ClientTask],
-        states: list[State | None],
+        self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]:
         if not tasks:
             return []

@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedloom.algorithms.base import ClientTask
 from fedloom.core import pytree
-from fedloom.core.protocol import ClientData
+from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.core.rng import generator, seed_for
 from fedloom.engine.cold_start import adaptation_curve
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedloom.algorithms.base import Algorithm, ClientTask, State
-from fedloom.core.protocol import ClientData
+from fedloom.algorithms.base import Algorithm
+from fedloom.core.protocol import ClientData, ClientTask, State
 from fedloom.core.pytree import Tree
 from fedloom.engine.metrics import EvalCounts, client_quantiles
 from fedloom.solvers.objective_sgd import objective_sgd

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.core.protocol import ClientData
+from fedloom.algorithms.base import Algorithm
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.engine.metrics import EvalCounts
+
+States = list[State | None]
+"""The round's clients' persistent states, in task order (None: the algorithm keeps none)."""
 
 
 class Executor(Protocol):
@@ -27,11 +30,7 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
     def run_round(
-        self,
-        algorithm: Algorithm,
-        message: Message,
-        tasks: list[ClientTask],
-        states: list[State | None],
+        self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]: ...
 
     def evaluate(

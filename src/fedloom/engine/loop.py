@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from fedloom.algorithms import Algorithm, AlgorithmContext, ClientTask, build_algorithm
-from fedloom.algorithms.base import Message
 from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import Message
 from fedloom.data.federated import FederatedData
 from fedloom.engine.callbacks import (
     Callback,

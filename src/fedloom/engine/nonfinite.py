@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms.base import ClientResult, ClientTask
 from fedloom.config import TrainConfig
+from fedloom.core.protocol import ClientResult, ClientTask
 from fedloom.errors import FedloomInputError
 
 

@@ -16,9 +16,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
-from fedloom.core.protocol import ClientData
+from fedloom.algorithms.base import Algorithm
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
+from fedloom.engine.executor import States
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.scheduling import balanced_groups
 from fedloom.engine.threads import set_worker_threads
@@ -72,11 +73,7 @@ class MultiprocessExecutor:
         _WORKER.clear()
 
     def run_round(
-        self,
-        algorithm: Algorithm,
-        message: Message,
-        tasks: list[ClientTask],
-        states: list[State | None],
+        self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]:
         if any(self._clients.get(t.client_id) is not t.data for t in tasks):
             # data the workers were not forked with: run here

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import Algorithm
 from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
+from fedloom.engine.executor import States
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.scheduling import balanced_groups
 from fedloom.engine.threads import set_worker_threads
@@ -277,11 +278,7 @@ class RayExecutor:
 
     # -- the round ------------------------------------------------------------------------
     def run_round(
-        self,
-        algorithm: Algorithm,
-        message: Message,
-        tasks: list[ClientTask],
-        states: list[State | None],
+        self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]:
         import ray
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import Algorithm
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message
 from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
+from fedloom.engine.executor import States
 from fedloom.engine.memory import keep_large_blocks_in_heap
 from fedloom.engine.metrics import EvalCounts
 
@@ -35,10 +36,6 @@ class SequentialExecutor:
         pass
 
     def run_round(
-        self,
-        algorithm: Algorithm,
-        message: Message,
-        tasks: list[ClientTask],
-        states: list[State | None],
+        self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]:
         return [algorithm.client_update(message, s, t) for t, s in zip(tasks, states, strict=True)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedloom.algorithms.base import ClientResult, ClientTask, Message, State
+from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.engine.state_store import ClientStateStore
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedloom.algorithms.base import Algorithm, ClientResult, ClientTask, Message, State
+from fedloom.algorithms.base import Algorithm
 from fedloom.config import parse_bytes
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message
 from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_stacked
+from fedloom.engine.executor import States
 from fedloom.engine.memory import (
     activation_bytes_per_sample,
     choose_chunk_size,
@@ -98,11 +99,7 @@ class VectorizedExecutor:
 
     # -- the round ------------------------------------------------------------------------
     def run_round(
-        self,
-        algorithm: Algorithm,
-        message: Message,
-        tasks: list[ClientTask],
-        states: list[State | None],
+        self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]:
         if not tasks:
             return []
