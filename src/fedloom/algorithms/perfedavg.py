@@ -25,12 +25,12 @@ Algorithm 1, one round::
                                                        # samples (n_k / n, the seed's 2.1)
 
 H(w; D'') g is computed exactly (reverse-over-reverse autograd: the gradient of
-<grad f(w; D''), g>, one double backward; 1.1x to 2x faster than torch.func's forward-over-
-reverse jvp(grad) on the 2NN, one client at a time, in our measurements), or, with
+<grad f(w; D''), g>, one double backward; faster than torch.func's forward-over-reverse
+jvp(grad) one client at a time), or, with
 ``hvp_delta`` = delta, by the paper's central finite difference
-(grad f(w + delta g; D'') - grad f(w - delta g; D'')) / (2 delta). Measured cost on the 2NN
-(10 clients x 20 local steps of 32 samples, 2 shared cores): fo 1.0 s, so 2.6 s, hf 3.5 s per
-round (exact and finite difference alike); FedAvg 0.5 s.
+(grad f(w + delta g; D'') - grad f(w - delta g; D'')) / (2 delta). Per round, fo costs the
+least, then so, then hf (exact and finite difference alike); measured costs in
+benchmarks/README.md, Design measurements.
 ``so`` with inner_steps = 1 is ``hf`` with D'' = D; ``fo`` drops the curvature term.
 
 Deployment (:mod:`fedloom.algorithms.meta`): every client serves w after ``adapt_steps`` SGD

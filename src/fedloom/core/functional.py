@@ -108,8 +108,8 @@ class FunctionalModel:
         In training mode BatchNorm updates ``buffers`` in place (the caller owns them).
         ``loss`` itself is pure, so the vectorized executor differentiates it with
         ``torch.func.grad`` under ``vmap``; one client at a time, reverse-mode autograd on
-        fresh leaves is 6x cheaper per call (180 us vs 1.2 ms for a 5-feature linear model,
-        torch 2.13, 1 thread), which dominates small models' local steps.
+        fresh leaves is cheaper per call (benchmarks/README.md, Design measurements), which
+        dominates small models' local steps.
         """
         self.module.train()
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}

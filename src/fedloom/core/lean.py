@@ -3,12 +3,13 @@
 One private copy of the model (made once, not per client) whose parameters are views into a
 single flat buffer, with gradients accumulated into a second flat buffer: loading a client's
 starting point is one copy, each SGD step is forward, backward and one fused
-``flat -= lr * flat_grad``. No deepcopy, optimizer or DataLoader per client; measured 3x
-fewer microseconds per step than ``functional_call`` + autograd for small models.
+``flat -= lr * flat_grad``. No deepcopy, optimizer or DataLoader per client; cheaper per
+step than ``functional_call`` + autograd for small models (benchmarks/README.md, Design
+measurements).
 
 Convolution weights are kept channels-last (NHWC) inside the flat buffer: oneDNN's
-convolutions run faster on that layout (FedAvg CNN, batch 32, torch 2.13 CPU: 1.12-1.18x per
-step at 1-2 threads; not for models with batch normalization, see ``_channels_last_keys``).
+convolutions run faster on that layout (same section; not for models with batch
+normalization, see ``_channels_last_keys``).
 Trees going in and out keep PyTorch's default layout; only the flat buffer's order of a
 convolution weight's elements differs.
 """
@@ -34,9 +35,10 @@ def backward(loss: torch.Tensor) -> None:
     """``loss.backward()`` for a scalar loss, without the public wrapper's argument handling.
 
     ``Tensor.backward`` normalizes its arguments and builds a ``ones_like(loss)`` seed on
-    every call before it reaches the engine: 30 of the 118 us of a logistic-regression step
-    (batch 10, torch 2.13, 1 thread). Here the seed is cached and the engine entry that
-    ``torch.autograd.backward`` itself ends in is called directly; same gradients."""
+    every call before it reaches the engine, a visible share of a small model's step
+    (benchmarks/README.md, Design measurements). Here the seed is cached and the engine
+    entry that ``torch.autograd.backward`` itself ends in is called directly; same
+    gradients."""
     if _engine_run_backward is None or loss.dim() != 0:
         loss.backward()
         return

@@ -55,7 +55,8 @@ def weighted_average(trees: Sequence[Mapping[str, torch.Tensor]], weights: Seque
         acc = torch.zeros(first.shape, dtype=torch.float64)
         for tree, w in zip(trees, weights, strict=True):
             # add_ promotes float32 to the float64 accumulator without a converted copy
-            # (bit-identical to adding .to(float64); 10.5 vs 13.8 ms for W3's 1,000 clients)
+            # (bit-identical to adding .to(float64), and faster: benchmarks/README.md,
+            # Design measurements)
             acc.add_(tree[key], alpha=float(w) / total)
         out[key] = (
             acc.round().to(first.dtype) if not first.is_floating_point() else acc.to(first.dtype)
@@ -82,13 +83,14 @@ def _rows_of_one_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 WEIGHTED_ROWS_BLOCK_BYTES = 1 << 20
 WEIGHTED_ROWS_MIN_BLOCK = 16
 """Rows of one stacked tensor are averaged a block at a time when at least this many fit in
-WEIGHTED_ROWS_BLOCK_BYTES as float64; wider rows go one by one (the 2NN's 157k-parameter
-layer: blocked matrix-vector products 41 ms at 2 threads, row by row 10 ms)."""
+WEIGHTED_ROWS_BLOCK_BYTES as float64; wider rows go one by one, which is faster for them
+(benchmarks/README.md, Design measurements)."""
 
 
 def _weighted_rows(stacked: torch.Tensor, weights: Sequence[float], total: float) -> torch.Tensor:
     """sum_i w_i stacked[i] / total in float64, a block of rows at a time (matrix-vector
-    products on float64 copies of about 1 MB): 4 ms instead of 10 ms for 1,000 W3 clients."""
+    products on float64 copies of about 1 MB), faster than row by row for many narrow rows
+    (benchmarks/README.md, Design measurements)."""
     rows = stacked.reshape(stacked.shape[0], -1)
     w = torch.tensor(list(weights), dtype=torch.float64) / total
     acc = torch.zeros(rows.shape[1], dtype=torch.float64)

@@ -21,8 +21,9 @@ NO_ID = -1
 def seed_for(seed: int, purpose: str, round: int = NO_ID, client: int = NO_ID) -> int:
     """A 63-bit integer seed for the stream (seed, round, client, purpose).
 
-    BLAKE2b of the packed key: 0.75 us per stream against 8.8 us for NumPy's SeedSequence,
-    which matters when every one of 1,000 clients gets its own stream each round."""
+    BLAKE2b of the packed key: cheaper per stream than NumPy's SeedSequence, which matters
+    when every one of 1,000 clients gets its own stream each round (benchmarks/README.md,
+    Design measurements)."""
     key = struct.pack("<qqq", int(seed), int(round), int(client)) + purpose.encode("utf-8")
     digest = hashlib.blake2b(key, digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -94,7 +94,7 @@ class AutoExecutor:
     def _candidates(self) -> list[tuple[str, int]]:
         """One thread and all cores for each in-process executor (small per-client operations
         do not speed up with more threads and collapse when the cores are shared; a CNN's
-        convolutions do: 1.7x at 2 threads), and one 1-thread worker process per core."""
+        convolutions do), and one 1-thread worker process per core."""
         cores = os.cpu_count() or 1
         threads = sorted({self.config.threads or 1, self.config.threads or cores})
         candidates = []
@@ -120,11 +120,12 @@ class AutoExecutor:
         (worker processes ship a CNN's 6.6 MB result back per client, vmap stacks a chunk)
         from what each step costs, and is evaluated at the round's mean number of steps.
         Timing short plans per step alone misjudged candidates with large per-client costs
-        (FedAvg CNN, 19 steps: processes looked 10% slower than one 2-thread process and were
-        10% faster). One-at-a-time candidates run PROBE_CLIENTS clients; the vectorized one
-        runs as many as its chunk will hold (up to PROBE_VECTOR_SECONDS of probing), since a
-        chunk of 8 says little about a chunk of 1,000 (W3: 8 clients made the sequential
-        executor look faster; with the round's 1,000 in one chunk it is 5-6x slower)."""
+        (FedAvg CNN: it ranked worker processes behind one 2-thread process, the wrong way
+        round). One-at-a-time candidates run PROBE_CLIENTS clients; the vectorized one runs as
+        many as its chunk will hold (up to PROBE_VECTOR_SECONDS of probing), since a chunk of 8
+        says little about a chunk of 1,000 (W3: 8 clients made the sequential executor look
+        faster than the vectorized one, which wins at the round's 1,000). Numbers in
+        benchmarks/README.md, Design measurements."""
         plans = [algorithm.client_plan(t) for t in tasks]
         steps = sum(len(p) for p in plans) / len(plans)
 

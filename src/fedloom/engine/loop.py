@@ -277,8 +277,9 @@ class Engine:
 @contextmanager
 def setup_frozen() -> Iterator[None]:
     """Exempt everything built so far (data, models, arenas) from the cyclic garbage
-    collector for the block: its full collections otherwise scan all of it, 160 ms for W3's
-    1,000 clients (300k objects), in about one round of three (a round takes 145 ms).
+    collector for the block: its full collections otherwise scan all of it, every few rounds,
+    each about as long as a round of many small clients (benchmarks/README.md, Design
+    measurements).
     ``gc.freeze`` moves the tracked objects to a permanent generation in O(1); ``unfreeze``
     hands them back, so garbage made before the run is collected after it."""
     gc.freeze()

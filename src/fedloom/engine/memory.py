@@ -17,9 +17,9 @@ _malloc_tuned: bool | None = None
 def keep_large_blocks_in_heap() -> bool:
     """Ask glibc to serve large blocks from the heap and keep freed ones (mallopt), so the
     stacked per-chunk tensors of successive steps reuse memory instead of faulting in fresh
-    mmap'd pages every step (measured: W1 with 100 clients per chunk, 7.2 s -> 0.84 s per
-    round). Process-wide and harmless; returns False where glibc is not available, and then
-    chunks are kept under the mmap threshold instead."""
+    mmap'd pages every step (benchmarks/README.md, Design measurements). Process-wide and
+    harmless; returns False where glibc is not available, and then chunks are kept under the
+    mmap threshold instead."""
     global _malloc_tuned
     if _malloc_tuned is None:
         try:

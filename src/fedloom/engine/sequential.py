@@ -20,7 +20,8 @@ class SequentialExecutor:
     def __init__(self, model: FunctionalModel | None = None) -> None:
         self.model = model
         # each client's result is fresh memory that lives until aggregation; kept in the heap
-        # it is reused round after round instead of page-faulted in (W3: 28 -> 9 ms a round)
+        # it is reused round after round instead of page-faulted in (benchmarks/README.md,
+        # Design measurements)
         keep_large_blocks_in_heap()
 
     def prepare(self, clients: dict[int, ClientData]) -> None:

@@ -1,11 +1,11 @@
 """Torch's intra-op thread count and OpenMP's wait policy, set in one place.
 
 Why the wait policy matters (issue #13; numbers in benchmarks/README.md, ``contention.py``):
-torch's CPU build runs its intra-op threads on GNU OpenMP, whose threads spin for about 3 ms
+torch's CPU build runs its intra-op threads on GNU OpenMP, whose threads spin for a while
 at the end of every parallel region before they sleep. A federated round is thousands of
 small operations, so with two threads on two cores both cores spin all the time; beside
 another busy process, each parallel region then waits for a thread the kernel has
-descheduled, and a round that takes 0.2 s on a quiet machine took 15-47 s. With
+descheduled, and a round took many times longer than on a quiet machine. With
 ``OMP_WAIT_POLICY=PASSIVE`` the idle threads sleep at once and a busy neighbour slows a run
 about in proportion to the cores it takes.
 

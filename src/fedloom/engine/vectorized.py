@@ -105,8 +105,8 @@ class VectorizedExecutor:
             return []
         program = algorithm.client_program()
         plans = [program.plans(message, s, t) for s, t in zip(states, tasks, strict=True)]
-        # shape[0], not len(): Tensor.__len__ is a Python-level call (about 1 us, 6 ms for
-        # W3's 6,000 minibatches)
+        # shape[0], not len(): Tensor.__len__ is a Python-level call, paid once per minibatch
+        # (benchmarks/README.md, Design measurements)
         max_batch = max(
             (b.shape[0] for p in plans for plan in p.values() for b in plan.batches), default=1
         )

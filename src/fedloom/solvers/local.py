@@ -38,8 +38,8 @@ def batch_plan(
         full = torch.arange(n)
         return [full] * num_steps
     # the same views as ``perm.split(batch_size)``, but split_with_sizes is a direct ATen
-    # call: Tensor.split's Python wrapper cost about 8 us per call, more than the randperm
-    # (1,000 clients per round in W3)
+    # call: Tensor.split's Python wrapper costs more than the randperm, once per client and
+    # round (benchmarks/README.md, Design measurements)
     sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
     plan: list[torch.Tensor] = []
     while len(plan) < num_steps:
@@ -73,8 +73,8 @@ def minibatches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each step's minibatch ``(x[idx], y[idx])`` along ``plan``, gathered with one indexing
     call per group of consecutive steps (up to GATHER_BYTES) and handed out as contiguous
-    slices: an epoch's reordering is one copy, not one gather per step (W3's 6 steps of 10
-    MNIST samples: 6 us less per step)."""
+    slices: an epoch's reordering is one copy, not one gather per step, which matters for
+    small minibatches (benchmarks/README.md, Design measurements)."""
     row_bytes = max(1, x[:1].numel() * x.element_size())
     i = 0
     while i < len(plan):
@@ -87,7 +87,7 @@ def minibatches(
         else:
             idx = torch.cat(plan[i:j])
             sizes = [b.shape[0] for b in plan[i:j]]
-            # split_with_sizes: all the views in one call (slicing costs ~3 us a view)
+            # split_with_sizes: all the views in one call, not one slicing call per view
             yield from zip(
                 x[idx].split_with_sizes(sizes), y[idx].split_with_sizes(sizes), strict=True
             )

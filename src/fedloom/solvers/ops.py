@@ -14,8 +14,8 @@ Tree = dict[str, torch.Tensor]
 
 class AutogradOps:
     """One client: ``torch.autograd.grad`` on fresh leaves. Cheaper per call than torch.func
-    for small models (measured 180 us vs 1.2 ms for a 5-feature linear model, torch 2.13,
-    1 thread). Inside an outer differentiation (inputs already require grad, as in
+    for small models (benchmarks/README.md, Design measurements). Inside an outer
+    differentiation (inputs already require grad, as in
     Per-FedAvg's second-order variants) the graph is kept so the outer call can go through."""
 
     def value_and_grad(

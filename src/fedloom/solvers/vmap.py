@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 SEQUENTIAL_TAIL = 4
 """When at most this many clients of a chunk still have steps left, they finish one at a time
 on the sequential backend: a vmapped step over 1-4 clients costs more in dispatch than it saves
-(measured 10x slower per step for a 60-feature logistic regression)."""
+(benchmarks/README.md, Design measurements)."""
 
 NO_BATCH = torch.empty(0, dtype=torch.long)
 """The minibatch of a step before a plan's start (no sample: the client is masked out)."""
@@ -46,7 +46,8 @@ def plan_steps(plans: dict[str, Plan]) -> int:
 def stack(leaves: list[Any]) -> Any:
     """One leaf of every client stacked along a new leading dimension (fresh memory). When all
     clients hold the same tensor object (FedAvg's clients all start from the broadcast model)
-    the result is one broadcast copy: 2 ms instead of 7 ms for 1,000 W3 clients."""
+    the result is one broadcast copy, cheaper than stacking them (benchmarks/README.md,
+    Design measurements)."""
     first = leaves[0]
     if all(leaf is first for leaf in leaves):
         return first.unsqueeze(0).expand(len(leaves), *first.shape).clone()
@@ -58,8 +59,8 @@ Path = tuple[str, ...]
 
 class Structure:
     """A carry's shape: the key paths of its tensors, in order, and those of its empty dicts
-    (a model without buffers). Plain Python: torch's generic pytree flattening cost 60 ms
-    per W3 round of 1,000 clients."""
+    (a model without buffers). Plain Python: torch's generic pytree flattening is slow per
+    client (benchmarks/README.md, Design measurements)."""
 
     def __init__(self, tree: Carry) -> None:
         self.paths: list[Path] = []
@@ -159,7 +160,8 @@ class Arena:
         if not lens:
             return index, weight, sizes
         # one entry per minibatch: its step s and its client c, built with tensor ops (Python
-        # lists of 6,000 minibatches, converted with torch.tensor, took 4 of 7 ms in W3)
+        # lists of thousands of minibatches converted with torch.tensor were the slow part;
+        # see benchmarks/README.md, Design measurements)
         steps_t = torch.tensor(steps)
         client_of = torch.repeat_interleave(torch.arange(len(plans)), steps_t)
         first = torch.cumsum(steps_t, 0) - steps_t
@@ -337,8 +339,9 @@ class ChunkRunner:
         self, index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num: int
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """One preallocated (x, y) buffer per plan that every step's minibatches of that plan
-        are gathered into (index_select with out=): 3x faster than advanced indexing x[rows]
-        for rows of 784 floats, and no fresh 31 MB block per step (W3)."""
+        are gathered into (index_select with out=): faster than advanced indexing x[rows]
+        for wide rows (benchmarks/README.md, Design measurements), and no fresh 31 MB block
+        per step (W3)."""
         x, y = self.arena.x, self.arena.y
         out = {}
         for name, (rows, _, _) in index.items():
