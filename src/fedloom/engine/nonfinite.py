@@ -77,6 +77,23 @@ def divergence_message(
     )
 
 
+def all_finite(results: Sequence[ClientResult]) -> bool:
+    """A fast pass: whether every loss, upload and state of ``results`` is surely finite.
+    Each tensor is summed once per underlying tensor (the vectorized executor's results are
+    rows of a few stacked tensors: a handful of reductions, not one per client and tensor);
+    NaN and infinity propagate through a sum. False (also when a finite sum overflows) sends
+    the round to the exact check of each client."""
+    wholes: dict[int, torch.Tensor] = {}
+    for result in results:
+        if not math.isfinite(result.loss):
+            return False
+        for tree in (result.upload, result.state):
+            for _, tensor in _tensors(tree, ""):
+                whole = tensor._base if tensor._base is not None else tensor
+                wholes[id(whole)] = whole  # one sum per stacked tensor, however many rows
+    return all(math.isfinite(float(t.sum())) for t in wholes.values() if t.is_floating_point())
+
+
 @dataclass
 class Screened:
     """The clients of a round that trained finitely, and those left out."""
@@ -94,6 +111,8 @@ def screen(
     train: TrainConfig,
 ) -> Screened:
     """Apply ``train.nonfinite`` to a round's results (in the order of ``tasks``)."""
+    if all_finite(results):
+        return Screened(list(tasks), list(results))
     kept = Screened([], [])
     for task, result in zip(tasks, results, strict=True):
         part = nonfinite_part(result)
