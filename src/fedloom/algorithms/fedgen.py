@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
-from fedloom.algorithms.objective import ObjectiveProgram, model_result
+from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -379,15 +379,8 @@ class FedGenProgram(ObjectiveProgram):
         weight, bias = self.head_keys
         return F.linear(features, params[weight], params[bias])
 
-    def objective(
-        self,
-        params: Tree,
-        out: torch.Tensor,
-        h: torch.Tensor | None,
-        batch: Batch,
-        carry: Carry,
-        shared: dict[str, Any],
-    ) -> torch.Tensor:
+    def objective(self, fwd: Forward, batch: Batch, carry: Carry, shared: Shared) -> torch.Tensor:
+        params, out = fwd.params, fwd.out
         cfg, noise = self.config, carry[NOISE]
         gen = shared["message"]["generator"]
         n = batch.y.shape[0]  # the minibatch, padded under vmap: its draws are the first n

@@ -51,14 +51,13 @@ cold start). Communication is FedAvg's: the model each way.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig
-from fedloom.algorithms.objective import ObjectiveProgram, model_result
+from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -180,15 +179,8 @@ class FedLCProgram(ObjectiveProgram):
         carry["class_counts"] = torch.bincount(y, minlength=self.classes)
         return carry
 
-    def objective(
-        self,
-        params: Tree,
-        out: torch.Tensor,
-        h: torch.Tensor | None,
-        batch: Batch,
-        carry: Carry,
-        shared: dict[str, Any],
-    ) -> torch.Tensor:
+    def objective(self, fwd: Forward, batch: Batch, carry: Carry, shared: Shared) -> torch.Tensor:
+        out = fwd.out
         cfg = self.config
         return calibrated_loss(
             out, batch.y, carry["class_counts"], cfg.tau, cfg.prior_weight, cfg.min_count, batch.w

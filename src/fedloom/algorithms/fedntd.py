@@ -32,15 +32,13 @@ every client of a chunk.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
-from fedloom.algorithms.objective import ObjectiveProgram, model_result
+from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -116,15 +114,8 @@ class FedNTDProgram(ObjectiveProgram):
     def regularized(self, message: Message) -> bool:
         return self.config.beta > 0
 
-    def objective(
-        self,
-        params: Tree,
-        out: torch.Tensor,
-        h: torch.Tensor | None,
-        batch: Batch,
-        carry: Carry,
-        shared: dict[str, Any],
-    ) -> torch.Tensor:
+    def objective(self, fwd: Forward, batch: Batch, carry: Carry, shared: Shared) -> torch.Tensor:
+        out = fwd.out
         cfg, teacher = self.config, shared["message"]
         z_global = teacher_logits(self.model, teacher["params"], teacher["buffers"], batch.x)
         return self.data_loss(out, batch) + cfg.beta * ntd_loss(

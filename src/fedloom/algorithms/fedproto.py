@@ -49,7 +49,7 @@ from pydantic import Field
 from torch import nn
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
-from fedloom.algorithms.objective import ObjectiveProgram
+from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -237,15 +237,8 @@ class FedProtoProgram(ObjectiveProgram):
         known[sent["ids"]] = True
         return {**super().shared(message, task), "protos": table, "known": known}
 
-    def objective(
-        self,
-        params: Tree,
-        out: torch.Tensor,
-        h: torch.Tensor | None,
-        batch: Batch,
-        carry: Carry,
-        shared: dict[str, Any],
-    ) -> torch.Tensor:
+    def objective(self, fwd: Forward, batch: Batch, carry: Carry, shared: Shared) -> torch.Tensor:
+        out, h = fwd.out, fwd.h
         cfg = self.config
         assert h is not None
         pull, push = prototype_loss(

@@ -27,6 +27,7 @@ reductions to FedAvg and to local training hold bit for bit (losses included).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,19 @@ from fedloom.solvers.objective_sgd import Batch as LeanBatch
 from fedloom.solvers.objective_sgd import objective_sgd
 from fedloom.solvers.program import Batch, Carry, Ops
 from fedloom.solvers.steps import descend
+
+Shared = dict[str, Any]
+"""The round's values every client shares (``ClientProgram.shared``)."""
+
+
+@dataclass(frozen=True)
+class Forward:
+    """The model at ``params`` on a minibatch: its output ``out`` (logits) and the head's
+    input ``h`` (None without a head)."""
+
+    params: Tree
+    out: torch.Tensor
+    h: torch.Tensor | None
 
 
 class ObjectiveProgram(SGDProgram):
@@ -84,9 +98,8 @@ class ObjectiveProgram(SGDProgram):
                 ones[n] = torch.ones(n)
             batch = Batch(lean.x, lean.y, ones[n])
             params = lean.lean.views
-            return self.objective(
-                params, lean.out, lean.features, batch, self.at_step(carry, lean.step), shared
-            )
+            fwd = Forward(params, lean.out, lean.features)
+            return self.objective(fwd, batch, self.at_step(carry, lean.step), shared)
 
         data = task.data
         solved = objective_sgd(
@@ -107,17 +120,10 @@ class ObjectiveProgram(SGDProgram):
         (default: the carry itself; FedGen sets its step counter)."""
         return carry
 
-    def objective(
-        self,
-        params: Tree,
-        out: torch.Tensor,
-        h: torch.Tensor | None,
-        batch: Batch,
-        carry: Carry,
-        shared: dict[str, Any],
-    ) -> torch.Tensor:
-        """The minibatch objective at ``params``: ``out`` is the model's output on ``batch.x``,
-        ``h`` the head's input. Called only in rounds that are ``regularized``."""
+    def objective(self, fwd: Forward, batch: Batch, carry: Carry, shared: Shared) -> torch.Tensor:
+        """The minibatch objective at ``fwd.params``: ``fwd.out`` is the model's output on
+        ``batch.x``, ``fwd.h`` the head's input. Called only in rounds that are
+        ``regularized``."""
         raise NotImplementedError
 
     def data_loss(self, out: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -145,7 +151,7 @@ class ObjectiveProgram(SGDProgram):
             if not shared["regularized"]:
                 return self.data_loss(self.model.forward(p, b, batch.x), batch)
             out, h = self.forward(p, b, batch.x)
-            return self.objective(p, out, h, batch, carry, shared)
+            return self.objective(Forward(p, out, h), batch, carry, shared)
 
         grads, value = ops.value_and_grad(loss, params, buffers)
         return {**carry, "params": descend(params, grads, shared["lr"])}, {"loss": value}
