@@ -76,7 +76,7 @@ from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
-from fedloom.solvers.steps import descend, loss_grad
+from fedloom.solvers.steps import loss_grad
 
 F64 = torch.float64
 
@@ -117,17 +117,23 @@ class APFLConfig(AlgorithmConfig):
 
 
 def mix(alpha: float | torch.Tensor, omega: Tree, theta: Tree) -> Tree:
-    """alpha omega + (1 - alpha) theta (alpha = 1 gives omega and 0 gives theta exactly)."""
-    return {k: alpha * omega[k] + (1.0 - alpha) * theta[k] for k in omega}
+    """alpha omega + (1 - alpha) theta (alpha = 1 gives omega and 0 gives theta exactly): one
+    ``lerp`` kernel per tensor."""
+    return {k: torch.lerp(theta[k], omega[k], _like(alpha, theta[k])) for k in omega}
 
 
 def running_average(average: Tree, tree: Tree, fraction: float) -> Tree:
     """average + fraction (tree - average) for floating-point entries; the others (integer
     counters) take ``tree``'s value."""
     return {
-        k: a + fraction * (tree[k] - a) if a.is_floating_point() else tree[k].clone()
+        k: torch.lerp(a, tree[k], _like(fraction, a)) if a.is_floating_point() else tree[k].clone()
         for k, a in average.items()
     }
+
+
+def _like(weight: float | torch.Tensor, tensor: torch.Tensor) -> float | torch.Tensor:
+    """A lerp weight in ``tensor``'s dtype (lerp takes no mixed dtypes)."""
+    return weight.to(tensor.dtype) if isinstance(weight, torch.Tensor) else weight
 
 
 class APFL(Algorithm):
@@ -325,8 +331,8 @@ class APFLProgram(StepProgram):
                 ((omega[k] - theta[k]).to(F64) * grad_mixed[k].to(F64)).sum() for k in omega
             )
             new["alpha"] = (alpha - (cfg.alpha_lr or lr) * slope).clamp(0.0, 1.0)
-        new["theta"] = descend(theta, grad_theta, lr)
-        new["omega"] = descend(omega, grad_mixed, lr)
+        new["theta"] = ops.descend(theta, grad_theta, lr)
+        new["omega"] = ops.descend(omega, grad_mixed, lr)
         new["t"] = t + 1.0
         if cfg.final_averaging:  # fold iterate t + 1 in at p_{t+1} = (t + 1 + a)^2
             p = (t + 1.0 + a) ** 2

@@ -8,7 +8,7 @@ model each client deploys (``deployed_model``). Persistent per-client state is d
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -24,7 +24,6 @@ from fedloom.registry import Registry
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
 from fedloom.solvers.sequential import run_client
-from fedloom.solvers.steps import descend
 
 
 class AlgorithmConfig(BaseModel):
@@ -111,10 +110,11 @@ class Algorithm:
     def global_model(self, server: State) -> tuple[Tree, Tree] | None:
         return (server["params"], server["buffers"]) if self.has_global_model else None
 
-    def download_bytes(self, message: Message, client_id: int) -> int:
-        """Bytes client ``client_id`` downloads of ``message`` (default: all of it; FPFC sends
-        each client only its own row of a per-client table)."""
-        return sum(num_bytes(tree) for tree in message.values())
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """Bytes ``clients`` download of ``message`` together (default: each all of it; FPFC
+        sends each client only its own row of a per-client table). Once per round, not per
+        client: 1,000 clients a round (W3)."""
+        return len(clients) * sum(num_bytes(tree) for tree in message.values())
 
     def summary_extras(self, server: State) -> dict[str, Any]:
         """Algorithm-specific results for summary.json's ``extras`` (FPFC's clusters,
@@ -330,7 +330,7 @@ class SGDProgram(StepProgram):
                 k: torch.add(g, carry["velocity"][k], alpha=self.momentum) for k, g in grads.items()
             }
             new["velocity"] = grads
-        new["params"] = descend(params, grads, shared["lr"])
+        new["params"] = ops.descend(params, grads, shared["lr"])
         return new, {"loss": loss}
 
     def finish(

@@ -45,7 +45,7 @@ from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import clone
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.local import steps_per_epoch
-from fedloom.solvers.steps import descend, subset_loss_grad
+from fedloom.solvers.steps import subset_loss_grad
 
 HEAD_EPOCHS = 10
 """tau_h when neither ``head_steps`` nor ``head_epochs`` is set: the paper's 10 local epochs."""
@@ -128,7 +128,7 @@ class FedRepProgram(ClientProgram):
         grads, loss = subset_loss_grad(
             ops, self.model, carry["params"], keys, carry["buffers"], batch
         )
-        return {**carry, "params": descend(carry["params"], grads, lr)}, {"loss": loss}
+        return {**carry, "params": ops.descend(carry["params"], grads, lr)}, {"loss": loss}
 
     def head_step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict

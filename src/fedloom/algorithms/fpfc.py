@@ -54,7 +54,7 @@ inherent to the pairwise formulation (100 clients and a 200k-parameter model: 7.
 
 What travels: client i needs only zeta_i. The engine hands one message to all sampled
 clients, so the message holds the whole (m, d) zeta table and client i reads its row (its index
-is in its state); ``download_bytes(message, client_id)`` counts what a real deployment sends,
+is in its state); ``download_bytes(message, clients)`` counts what a real deployment sends,
 one zeta_i per client. The upload is omega_i (d floats).
 
 Clusters: i and j are in one cluster when the pair was updated at least once and
@@ -68,6 +68,7 @@ of all omega_j.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -207,9 +208,9 @@ class FPFC(Algorithm):
     def server_message(self, server: State, round: int = 0) -> Message:
         return {"zeta": self.table_tree(server["zeta"], server["params"])}
 
-    def download_bytes(self, message: Message, client_id: int) -> int:
-        """What client ``client_id`` really needs: its own zeta_i (one model's bytes)."""
-        return num_bytes(message["zeta"]) // self.m
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """What each client really needs: its own zeta_i (one model's bytes)."""
+        return len(clients) * (num_bytes(message["zeta"]) // self.m)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         """The server step of the pseudocode. The pairwise tables theta and v (the bulk of the

@@ -40,7 +40,6 @@ from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.objective_sgd import Batch as LeanBatch
 from fedloom.solvers.objective_sgd import objective_sgd
 from fedloom.solvers.program import Batch, Carry, Ops
-from fedloom.solvers.steps import descend
 
 Shared = dict[str, Any]
 """The round's values every client shares (``ClientProgram.shared``)."""
@@ -154,7 +153,7 @@ class ObjectiveProgram(SGDProgram):
             return self.objective(Forward(p, out, h), batch, carry, shared)
 
         grads, value = ops.value_and_grad(loss, params, buffers)
-        return {**carry, "params": descend(params, grads, shared["lr"])}, {"loss": value}
+        return {**carry, "params": ops.descend(params, grads, shared["lr"])}, {"loss": value}
 
 
 def model_result(task: ClientTask, solved: LocalSolution, weighting: str) -> ClientResult:

@@ -158,7 +158,7 @@ def meta_gradient(
         grads, meta = ops.value_and_grad(adapted_loss, params)
         return grads, first["loss"].detach(), meta
     g, loss = loss_grad(ops, model, params, buffers, inner)
-    temp = {k: params[k] - alpha * g[k] for k in params}
+    temp = descend(params, g, alpha)
     g_out, meta = loss_grad(ops, model, temp, clone(buffers), outer)
     if cfg.variant == "hf":
         hess = batches[2]
@@ -166,7 +166,7 @@ def meta_gradient(
             hv = hessian_vector_product(ops, model, params, clone(buffers), hess, g_out)
         else:
             hv = finite_difference_hvp(ops, model, params, buffers, hess, g_out, cfg.hvp_delta)
-        g_out = {k: g_out[k] - alpha * hv[k] for k in g_out}
+        g_out = descend(g_out, hv, alpha)
     return g_out, loss, meta
 
 
@@ -223,7 +223,7 @@ class PerFedAvgProgram(ClientProgram):
         grads, loss, meta = meta_gradient(
             ops, self.model, carry["params"], carry["buffers"], batches, self.config
         )
-        params = descend(carry["params"], grads, shared["beta"])
+        params = ops.descend(carry["params"], grads, shared["beta"])
         return {"params": params, "buffers": carry["buffers"]}, {"loss": loss, "meta_loss": meta}
 
     def finish(

@@ -49,6 +49,7 @@ fine-tunes all of its parameters from there (the default hooks).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -176,9 +177,9 @@ class PFedHN(Algorithm):
         with torch.no_grad():
             return {"models": self.generate(server["hnet"], server["embeddings"])}
 
-    def download_bytes(self, message: Message, client_id: int) -> int:
-        """What client ``client_id`` really receives: its own generated model theta_k."""
-        return num_bytes(message["models"]) // self.m
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """What each client really receives: its own generated model theta_k."""
+        return len(clients) * (num_bytes(message["models"]) // self.m)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         """One SGD step on (Theta_h, e) along sum_k c J_k^T (theta_k - theta~_k) (see the

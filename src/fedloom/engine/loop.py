@@ -224,7 +224,7 @@ class Engine:
                 state.clients.set(task.client_id, result.state)
         up = down = 0
         if algorithm.communicates:
-            down = sum(algorithm.download_bytes(message, c) for c in clients)
+            down = algorithm.download_bytes(message, clients)
             up = sum(message_bytes(r.upload) for r in results)
         state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         if results:  # every sampled client dropped out: the server keeps its state

@@ -1,5 +1,6 @@
-"""Gradients for client programs: reverse-mode autograd one client at a time, or torch.func
-under vmap. An update asks ``ops.value_and_grad(f, params, ...)`` and never knows which."""
+"""Gradients and steps for client programs: reverse-mode autograd one client at a time, or
+torch.func under vmap. An update asks ``ops.value_and_grad(f, params, ...)`` and
+``ops.descend(params, grads, lr)`` and never knows which."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import torch
 from torch.func import grad_and_value
+
+from fedloom.solvers.steps import descend
 
 Tree = dict[str, torch.Tensor]
 
@@ -47,10 +50,21 @@ class AutogradOps:
         grads, v = self.value_and_grad(value, params, *args)
         return grads, v, _detached(held[0])
 
+    def descend(self, params: Tree, grads: Tree, lr: float | torch.Tensor) -> Tree:
+        """params - lr * grads, out of place: one client's carry may share tensors with the
+        round's message (FedAvg starts from the global model)."""
+        return descend(params, grads, lr)
+
 
 class FuncOps:
     """Many clients under ``vmap``: ``torch.func.grad_and_value`` (composable with vmap and
-    with itself)."""
+    with itself). With ``in_place`` (the vmap backend's choice when it owns the stacked carry
+    and every client of the call takes the step, so nothing has to be masked), ``descend``
+    writes into ``params``: W3's 31 MB update without a fresh block each step
+    (benchmarks/README.md, Design measurements)."""
+
+    def __init__(self, in_place: bool = False) -> None:
+        self.in_place = in_place
 
     def value_and_grad(
         self, f: Callable[..., torch.Tensor], params: Tree, *args: Any
@@ -62,6 +76,16 @@ class FuncOps:
     ) -> tuple[Tree, torch.Tensor, Any]:
         grads, (value, aux) = grad_and_value(f, has_aux=True)(params, *args)
         return grads, value, aux
+
+    def descend(self, params: Tree, grads: Tree, lr: float | torch.Tensor) -> Tree:
+        if not self.in_place:
+            return descend(params, grads, lr)
+        for k, g in grads.items():
+            if isinstance(lr, torch.Tensor):
+                params[k].sub_(lr * g)
+            else:
+                params[k].add_(g, alpha=-lr)
+        return params
 
 
 def _detached(obj: Any) -> Any:
@@ -77,3 +101,4 @@ def _detached(obj: Any) -> Any:
 
 AUTOGRAD = AutogradOps()
 FUNC = FuncOps()
+FUNC_IN_PLACE = FuncOps(in_place=True)

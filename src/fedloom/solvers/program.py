@@ -11,11 +11,12 @@ An algorithm states its client side once, as a :class:`ClientProgram` (FedJAX's
     result <- program.finish(message, state, task, carry, metrics)   # per client, in Python
 
 ``u.fn`` is a pure function of tensors: no Python branching on tensor values, no in-place
-writes to its inputs (except what the model's forward does to BatchNorm buffers), every
-gradient through ``ops``. The sequential backend (solvers/sequential.py) calls it on one
-client at a time with reverse-mode autograd; the vmap backend (solvers/vmap.py) calls it once
-per step for a whole chunk of clients under ``torch.func.vmap``, masking out the clients that
-have no minibatch at that step. Both follow the same trajectory up to float summation order.
+writes to its inputs (except what the model's forward does to BatchNorm buffers and what
+``ops.descend`` may do to the parameters it is handed), every gradient through ``ops``. The
+sequential backend (solvers/sequential.py) calls it on one client at a time with reverse-mode
+autograd; the vmap backend (solvers/vmap.py) calls it once per step for a whole chunk of
+clients under ``torch.func.vmap``, masking out the clients that have no minibatch at that
+step. Both follow the same trajectory up to float summation order.
 
 Each update consumes one minibatch of each of its named plans per step (the engine's plan
 ``batches``, or the algorithm's own streams such as Per-FedAvg's ``perfedavg/outer``), and a
@@ -82,6 +83,16 @@ class Ops(Protocol):
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, Any]:
         """(d f / d params, f, aux) for ``f(params, *args)`` returning (scalar, aux): values of
         the same forward pass the gradient needs no part of (FedCR's class statistics)."""
+        ...
+
+    def descend(
+        self,
+        params: dict[str, torch.Tensor],
+        grads: dict[str, torch.Tensor],
+        lr: float | torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """params - lr * grads on the keys of ``grads``. The vmap backend may write into
+        ``params`` (see FuncOps): a caller hands over ``params`` and uses only the result."""
         ...
 
 

@@ -22,7 +22,7 @@ import torch
 from torch.func import vmap
 
 from fedloom.core.protocol import ClientData
-from fedloom.solvers.ops import FUNC
+from fedloom.solvers.ops import FUNC, FUNC_IN_PLACE, FuncOps
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan, Update
 from fedloom.solvers.sequential import finish_metrics, run_steps
 
@@ -196,7 +196,11 @@ class ChunkRunner:
         self.arena = arena
         self.device = device
         self.group_by_size = group_by_size
-        self._vmapped = {u.name: _vmapped(u) for u in program.updates}
+        self._vmapped = {
+            (u.name, in_place): _vmapped(u, FUNC_IN_PLACE if in_place else FUNC)
+            for u in program.updates
+            for in_place in (False, True)
+        }
         self.num = 0
 
     def run(
@@ -294,9 +298,13 @@ class ChunkRunner:
             )
         lead_weight = batches[0][2]
         on = lead_weight.sum(dim=1) > 0
-        new_carry, metrics = self._vmapped[update.name](spec.build(sub), tuple(batches), shared)
-        new_leaves = spec.leaves(new_carry)
         everyone = bool(on.all())
+        # in place only when no client's old value is needed by the masking below
+        vmapped = self._vmapped[(update.name, everyone)]
+        # torch.func.grad ignores an outer no_grad; everything else here records no graph
+        with torch.no_grad():
+            new_carry, metrics = vmapped(spec.build(sub), tuple(batches), shared)
+        new_leaves = spec.leaves(new_carry)
         whole = rows == slice(0, self.num)
         for i, (old, new) in enumerate(zip(sub, new_leaves, strict=True)):
             if isinstance(rows, slice):
@@ -376,9 +384,9 @@ class ChunkRunner:
             )
 
 
-def _vmapped(update: Update) -> Any:
+def _vmapped(update: Update, ops: FuncOps) -> Any:
     def one_client(carry: Carry, batches: tuple, shared: dict[str, Any]) -> tuple[Carry, dict]:
-        return update.fn(FUNC, carry, tuple(Batch(*b) for b in batches), shared)
+        return update.fn(ops, carry, tuple(Batch(*b) for b in batches), shared)
 
     return vmap(one_client, in_dims=(0, 0, None))
 
