@@ -8,7 +8,6 @@ from typing import Any
 
 from torch import nn
 
-from fedloom.algorithms import parse_algorithm_config
 from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
 from fedloom.data import FederatedData, load_dataset, resolve_data_config
 from fedloom.engine.loop import Engine, RunResult
@@ -27,13 +26,13 @@ def _save_inputs(run_dir: RunDir, config: RunConfig, data: FederatedData) -> Non
 
 
 def resolve_defaults(cfg: RunConfig, custom_data: bool = False) -> RunConfig:
-    """The config with every default filled in: algorithm hyperparameters and, for the
-    registered datasets, the partition parameters, dataset options and client count."""
-    raw = cfg.to_dict()
-    raw["algorithm"] = parse_algorithm_config(cfg.algorithm).model_dump()
-    if not custom_data:
-        raw["data"].pop(cfg.data.name, None)
-        raw["data"] |= resolve_data_config(cfg.data)
+    """The config with the registered dataset's defaults filled in (partition parameters,
+    dataset options, client count; the algorithm's were filled in when it was parsed)."""
+    if custom_data:
+        return cfg
+    raw = {**cfg.to_dict(), "algorithm": cfg.algorithm}  # parsed already: not again
+    raw["data"].pop(cfg.data.name, None)
+    raw["data"] |= resolve_data_config(cfg.data)
     return parse_config(raw)
 
 
@@ -97,7 +96,7 @@ def run(
     engine = Engine(cfg, data, module, run_dir=run_dir, progress=progress)  # validates first
     if resume is None and write:
         run_dir = engine.run_dir = RunDir.create(
-            out or default_run_dir(cfg.algorithm["name"], data.name)
+            out or default_run_dir(cfg.algorithm.name, data.name)
         )
         _save_inputs(run_dir, cfg, data)
     result = engine.run(resume=resume is not None)

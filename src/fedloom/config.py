@@ -1,8 +1,10 @@
 """The run configuration (DESIGN.md 3.4): pydantic models, strict keys, errors that name the key.
 
 Every section forbids unknown keys. Algorithm-specific keys sit beside ``algorithm.name`` and
-are validated by that algorithm's own config class; dataset-specific keys sit under a key named
-after the dataset (``data: {name: synthetic, synthetic: {alpha: 1.0}}``).
+are validated by that algorithm's own config class when the run config is parsed (the parsed
+``algorithm`` is that class's instance, defaults filled in; the engine builds the algorithm from
+it without parsing again); dataset-specific keys sit under a key named after the dataset
+(``data: {name: synthetic, synthetic: {alpha: 1.0}}``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import (
     Discriminator,
     Field,
     PositiveInt,
+    SerializeAsAny,
     Tag,
     ValidationError,
     ValidationInfo,
@@ -27,7 +30,9 @@ from pydantic import (
     model_validator,
 )
 
-from fedloom.errors import ConfigError, closest
+from fedloom.algorithms import AlgorithmConfig, parse_algorithm_config
+from fedloom.core.validation import format_validation_error
+from fedloom.errors import ConfigError
 
 
 class StrictModel(BaseModel):
@@ -113,9 +118,6 @@ Work = Annotated[
     Discriminator(_work_kind),
 ]
 """A fixed number, or a WorkDistribution mapping."""
-
-_UNION_TAGS = {"count", "distribution"}
-"""Branch tags pydantic puts into error locations; not keys, so dropped from messages."""
 
 
 class TrainConfig(StrictModel):
@@ -318,7 +320,9 @@ class RunConfig(StrictModel):
     seed: int = 0
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    algorithm: dict[str, Any] = Field(default_factory=lambda: {"name": "fedavg"})
+    algorithm: SerializeAsAny[AlgorithmConfig] = Field(
+        default_factory=lambda: parse_algorithm_config({"name": "fedavg"})
+    )
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -327,11 +331,21 @@ class RunConfig(StrictModel):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
-    @model_validator(mode="after")
-    def _algorithm_named(self) -> RunConfig:
-        name = self.algorithm.get("name")
-        if not isinstance(name, str):
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _algorithm_parsed(cls, value: Any) -> Any:
+        """The named algorithm's own Config, once. Its errors (ConfigError, naming
+        ``algorithm.KEY``) pass through pydantic unchanged."""
+        if isinstance(value, AlgorithmConfig):
+            return value
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             raise ValueError("algorithm.name is required (see `fedloom algorithms`)")
+        return parse_algorithm_config(value)
+
+    @model_validator(mode="after")
+    def _client_counts(self) -> RunConfig:
+        if self.data.num_clients is not None:
+            check_client_counts(self, self.data.num_clients)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -339,6 +353,22 @@ class RunConfig(StrictModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def check_client_counts(config: RunConfig, num_clients: int) -> None:
+    """``eval.new_clients`` and ``train.clients_per_round`` against the number of clients: when
+    the config is parsed if it states ``data.num_clients`` (the registered datasets, once their
+    defaults are filled in), else when the engine is handed data of its own (Python API)."""
+    new, per_round = config.eval.new_clients, config.train.clients_per_round
+    if new >= num_clients:
+        raise ConfigError(
+            f"eval.new_clients: {new} leaves no client to train (there are {num_clients})"
+        )
+    if per_round is not None and per_round > num_clients - new:
+        raise ConfigError(
+            f"train.clients_per_round: {per_round} is more than the {num_clients - new} "
+            f"training clients (data.num_clients={num_clients}, eval.new_clients={new})"
+        )
 
 
 DEFAULT_EXPERIMENT: dict[str, Any] = {
@@ -357,49 +387,6 @@ DEFAULT_EXPERIMENT: dict[str, Any] = {
     "checkpoint": {"every": 20},
 }
 """``fedloom run`` without a file: scikit-learn's bundled digits, no download."""
-
-
-def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """The valid key names at ``loc`` (for did-you-mean on unknown keys)."""
-    current: Any = model
-    for part in loc[:-1]:
-        fields = getattr(current, "model_fields", None)
-        if not fields or part not in fields:
-            return []
-        current = _model_in(fields[part].annotation) or current
-    return list(getattr(current, "model_fields", {}))
-
-
-def _model_in(annotation: Any) -> Any:
-    """The first pydantic model inside an annotation (through unions and Annotated)."""
-    if hasattr(annotation, "model_fields"):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def format_validation_error(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
-    """One line per problem, each naming the full key path, the value and what is allowed."""
-    lines = []
-    for e in err.errors():
-        loc = tuple(p for p in e["loc"] if p not in _UNION_TAGS)
-        key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "config"
-        if e["type"] == "extra_forbidden":
-            hint = closest(str(loc[-1]), _field_names(model, loc))
-            extra = (
-                f" Did you mean '{prefix}{'.'.join(map(str, (*loc[:-1], hint)))}'?" if hint else ""
-            )
-            allowed = ", ".join(_field_names(model, loc))
-            lines.append(f"{key}: unknown key.{extra} Allowed here: {allowed}.")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            value = e.get("input")
-            shown = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
-            lines.append(f"{key}: {msg}{shown}")
-    return "; ".join(lines)
 
 
 def parse_config(raw: dict[str, Any]) -> RunConfig:

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from fedloom.algorithms.base import ALGORITHMS, Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.core.protocol import ClientResult, ClientTask
+from fedloom.core.validation import format_validation_error
 from fedloom.errors import ConfigError
 
 
@@ -24,8 +25,6 @@ _import_every_algorithm()
 
 def parse_algorithm_config(raw: dict[str, Any]) -> AlgorithmConfig:
     """Validate ``algorithm:`` keys with the named algorithm's Config; errors name the key."""
-    from fedloom.config import format_validation_error
-
     cls = ALGORITHMS.get(str(raw.get("name")))
     try:
         return cls.Config.model_validate(raw)
@@ -33,8 +32,10 @@ def parse_algorithm_config(raw: dict[str, Any]) -> AlgorithmConfig:
         raise ConfigError(format_validation_error(err, cls.Config, prefix="algorithm.")) from None
 
 
-def build_algorithm(raw: dict[str, Any], ctx: AlgorithmContext) -> Algorithm:
-    config = parse_algorithm_config(raw)
+def build_algorithm(config: AlgorithmConfig | dict[str, Any], ctx: AlgorithmContext) -> Algorithm:
+    """The algorithm of ``config``: a parsed Config (a RunConfig's ``algorithm``) or raw keys."""
+    if not isinstance(config, AlgorithmConfig):
+        config = parse_algorithm_config(config)
     return ALGORITHMS.get(config.name)(config, ctx)
 
 

@@ -154,7 +154,10 @@ class Algorithm:
         return 0.0
 
     def has_correction(self) -> bool:
-        return type(self).local_correction is not Algorithm.local_correction
+        """Whether ``local_correction`` adds a term: declared by the algorithms that define
+        one (FedProx, SCAFFOLD, FedDyn, FPFC; FedNova with its proximal solver). Without one
+        the client programs skip the call and the client state's stacking."""
+        return False
 
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
@@ -174,7 +177,7 @@ class Algorithm:
         """By default local SGD from ``local_start`` on ``client_plan`` at ``local_lr``, with
         ``local_correction`` and ``local_momentum``, closed by ``local_finish``. Algorithms with
         other local work return their own program (pFedMe, Ditto, APFL, Per-FedAvg, ...)."""
-        return SGDProgram(self)
+        return PlainSGDProgram(self)
 
     def client_update(
         self, message: Message, state: State | None, task: ClientTask
@@ -291,8 +294,9 @@ class SGDProgram(StepProgram):
             w <- w - local_lr v
         local_finish(w)
 
-    The sequential backend runs it on the lean flat-buffer trainer (``run_lean``), the vmap
-    backend through ``step``."""
+    Both backends step through ``step``; :class:`PlainSGDProgram`, the program used as it is,
+    runs on the lean flat-buffer trainer in the sequential backend. Subclass this one to change
+    the step (FedCR, the objective programs)."""
 
     def __init__(self, algorithm: Algorithm) -> None:
         super().__init__(algorithm)
@@ -349,14 +353,6 @@ class SGDProgram(StepProgram):
         )
         return self.algorithm.local_finish(message, state, task, solved)
 
-    def run_lean(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> ClientResult | None:
-        """The lean trainer runs plain SGD: a subclass with a step of its own steps through it."""
-        if type(self).step is not SGDProgram.step:
-            return None
-        return self.lean_sgd(message, state, task)
-
     def lean_sgd(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
         """Plain SGD (``SGDProgram.step``) on the lean flat-buffer trainer, for one client."""
         algorithm = self.algorithm
@@ -380,3 +376,15 @@ class SGDProgram(StepProgram):
             self.momentum,
         )
         return algorithm.local_finish(message, state, task, solved)
+
+
+class PlainSGDProgram(SGDProgram):
+    """:class:`SGDProgram` as it is (the FedAvg family's default program): the sequential
+    backend runs it on the lean flat-buffer trainer, the same SGD fused for one client
+    (executor-equivalence tests hold the two paths to 1e-4). Not for subclassing: a program
+    with a step of its own derives from :class:`SGDProgram`."""
+
+    def run_lean(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> ClientResult | None:
+        return self.lean_sgd(message, state, task)

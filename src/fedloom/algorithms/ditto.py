@@ -88,7 +88,7 @@ def validate_global_algorithm(value: Any) -> dict[str, Any]:
     """``global_algorithm`` (a name or a mapping with ``name``) validated by that algorithm's
     own Config; returns the full mapping (defaults filled in)."""
     from fedloom.algorithms import ALGORITHMS  # the registry imports this module
-    from fedloom.config import format_validation_error
+    from fedloom.core.validation import format_validation_error
 
     raw = {"name": value} if isinstance(value, str) else value
     if not isinstance(raw, dict) or "name" not in raw:

@@ -53,6 +53,9 @@ class FedDyn(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"grad": zeros_like(server["params"])}
 
+    def has_correction(self) -> bool:
+        return True
+
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         assert state is not None
         mu, anchor, g = self.config.mu, message["params"], state["grad"]

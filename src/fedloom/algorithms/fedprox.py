@@ -39,6 +39,9 @@ class FedProx(FedAvg):
             message["mu"] = {"mu": torch.tensor(mu, dtype=torch.float64)}
         return message
 
+    def has_correction(self) -> bool:
+        return True
+
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
         mu = message["mu"]["mu"] if "mu" in message else self.config.mu
         return proximal_gradient(params, message["params"], mu)

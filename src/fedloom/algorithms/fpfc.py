@@ -297,6 +297,9 @@ class FPFC(Algorithm):
         assert state is not None
         return state["params"], state["buffers"]
 
+    def has_correction(self) -> bool:
+        return True
+
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         """rho (omega - zeta_i): the gradient of rho/2 ||omega - zeta_i||^2, zeta_i the row
         ``state['index']`` of the broadcast table (pure, so it vmaps over clients)."""

@@ -57,6 +57,9 @@ class Scaffold(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"control": zeros_like(server["params"])}
 
+    def has_correction(self) -> bool:
+        return True
+
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         assert state is not None
         return {k: message["control"][k] - state["control"][k] for k in params}

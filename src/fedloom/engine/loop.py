@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fedloom.algorithms import Algorithm, AlgorithmContext, ClientTask, build_algorithm
-from fedloom.config import RunConfig
+from fedloom.config import RunConfig, check_client_counts
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import Message
@@ -35,7 +35,7 @@ from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
 from fedloom.engine.workload import full_budget, straggler_steps
-from fedloom.errors import ConfigError, RunDirError
+from fedloom.errors import RunDirError
 from fedloom.models.base import FedModel
 from fedloom.solvers.local import PlanMaker
 
@@ -80,19 +80,11 @@ class Engine:
         self.model = FunctionalModel(module, data.task)
         self.executor = make_executor(config.executor, self.model)
         train = config.train
+        if config.data.num_clients != data.num_clients:  # else checked when parsed
+            check_client_counts(config, data.num_clients)
         new = config.eval.new_clients
-        if new >= data.num_clients:
-            raise ConfigError(
-                f"eval.new_clients: {new} leaves no client to train (there are {data.num_clients})"
-            )
         self.train_ids = list(range(data.num_clients - new))
         self.new_ids = list(range(data.num_clients - new, data.num_clients))
-        if train.clients_per_round is not None and train.clients_per_round > len(self.train_ids):
-            raise ConfigError(
-                f"train.clients_per_round: {train.clients_per_round} is more than the "
-                f"{len(self.train_ids)} training clients (data.num_clients={data.num_clients}"
-                f", eval.new_clients={new})"
-            )
         ctx = AlgorithmContext(
             model=self.model,
             seed=config.seed,
