@@ -97,6 +97,9 @@ def test_drop_leaves_the_client_out_and_counts_it():
         assert torch.equal(value, alone.global_params[key]), key
     assert [row["dropped_nonfinite"] for row in result.history] == [1, 2]
     assert [row["reported"] for row in result.history] == [2, 2]
+    # the dropped client's upload still crossed the network: 3 uploads a round, as without drops
+    sent = [row["communication"]["bytes_up_round"] for row in result.history]
+    assert sent == [3 * 4 * 4, 3 * 4 * 4]  # 3 clients x (3 weights + 1 bias) float32
     assert result.summary["dropped_nonfinite"] == 2
     assert alone.summary["dropped_nonfinite"] == 0
 

@@ -89,3 +89,30 @@ def test_memory_budget_parsing():
     assert parse_bytes(1000) == 1000
     with pytest.raises(ConfigError, match="memory_budget"):  # checked once, at parse time
         parse_config({"executor": {"kind": "vectorized", "memory_budget": "lots"}})
+
+
+def test_the_chunk_size_counts_each_client_programs_carry(monkeypatch):
+    """APFL's carry (final averaging) holds four models (theta, omega and both iterate
+    averages), FedAvg's one:
+    under the same budget APFL's chunks are smaller, sized from the carry measured."""
+    import fedloom
+    from fedloom.engine.vectorized import VectorizedExecutor
+    from tests.engine.test_executor_equivalence import config
+
+    seen: dict[str, list[tuple[int | None, int]]] = {}
+    original = VectorizedExecutor.chunk_size
+
+    def spy(self, tasks, max_batch, carry_bytes=None):  # type: ignore[no-untyped-def]
+        size = original(self, tasks, max_batch, carry_bytes)
+        seen.setdefault(name, []).append((carry_bytes, size))
+        return size
+
+    monkeypatch.setattr(VectorizedExecutor, "chunk_size", spy)
+    for name in ("fedavg", "apfl"):
+        cfg = config(name, "mlp", {"kind": "vectorized", "memory_budget": "6MB"}, 16)
+        if name == "apfl":
+            cfg["algorithm"]["final_averaging"] = True
+        fedloom.run(cfg, write=False, progress=False)
+    (avg_carry, avg_size), (apfl_carry, apfl_size) = seen["fedavg"][0], seen["apfl"][0]
+    assert apfl_carry > 3 * avg_carry
+    assert 1 < apfl_size < avg_size

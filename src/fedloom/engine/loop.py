@@ -206,6 +206,8 @@ class Engine:
         results = self.executor.run_round(
             algorithm, message, tasks, [state.clients.get(t.client_id) for t in tasks]
         )
+        # a dropped client's upload still crossed the network: counted before screening
+        up = sum(message_bytes(r.upload) for r in results) if algorithm.communicates else 0
         screened = screen(tasks, results, round, algorithm.config.model_dump(), cfg.train)
         tasks, results = screened.tasks, screened.results
         state.dropped_nonfinite += len(screened.dropped)
@@ -214,10 +216,7 @@ class Engine:
                 result.upload = transform(result.upload, task.client_id, round)
             if result.state is not None:
                 state.clients.set(task.client_id, result.state)
-        up = down = 0
-        if algorithm.communicates:
-            down = algorithm.download_bytes(message, clients)
-            up = sum(message_bytes(r.upload) for r in results)
+        down = algorithm.download_bytes(message, clients) if algorithm.communicates else 0
         state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         if results:  # every sampled client dropped out: the server keeps its state
             state.server = algorithm.aggregate(state.server, results)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -59,11 +61,27 @@ def activation_bytes_per_sample(module: nn.Module, sample: torch.Tensor) -> int:
     return total
 
 
-def client_footprint(param_bytes: int, activation_bytes: int, batch_size: int) -> int:
-    """Working memory of one client in a vmapped step: parameters, start copy, gradients,
-    update and correction temporaries (about 6 model copies), plus activations kept for the
-    backward pass and their gradients (about 3 copies per sample)."""
-    return 6 * param_bytes + 3 * activation_bytes * max(1, batch_size)
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every tensor in nested dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tree_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(tree_bytes(v) for v in tree)
+    return 0
+
+
+def client_footprint(
+    param_bytes: int, activation_bytes: int, batch_size: int, carry_bytes: int | None = None
+) -> int:
+    """Working memory of one client in a vmapped step: its carry (the client program's
+    variables: the model, a personal model, momentum, iterate averages, FedCR's noise tables;
+    two model copies when not given), gradients, update and correction temporaries (about 4
+    model copies), plus activations kept for the backward pass and their gradients (about 3
+    copies per sample)."""
+    carry = 2 * param_bytes if carry_bytes is None else carry_bytes
+    return carry + 4 * param_bytes + 3 * activation_bytes * max(1, batch_size)
 
 
 def choose_chunk_size(

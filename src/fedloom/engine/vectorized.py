@@ -23,6 +23,7 @@ from fedloom.engine.memory import (
     choose_chunk_size,
     client_footprint,
     keep_large_blocks_in_heap,
+    tree_bytes,
 )
 from fedloom.engine.metrics import EvalCounts
 from fedloom.errors import ConfigError
@@ -82,12 +83,15 @@ class VectorizedExecutor:
         return evaluate_stacked(self.model, models, datas, batch_size, size, self.device)
 
     # -- chunking -------------------------------------------------------------------------
-    def chunk_size(self, tasks: list[ClientTask], max_batch: int) -> int:
+    def chunk_size(
+        self, tasks: list[ClientTask], max_batch: int, carry_bytes: int | None = None
+    ) -> int:
+        """Clients per chunk for ``tasks``; ``carry_bytes``: one client's carry, measured."""
         if self._act_bytes is None:
             self._act_bytes = activation_bytes_per_sample(
                 self.model.module, tasks[0].data.x_train[0]
             )
-        footprint = client_footprint(self._param_bytes, self._act_bytes, max_batch)
+        footprint = client_footprint(self._param_bytes, self._act_bytes, max_batch, carry_bytes)
         return choose_chunk_size(
             footprint,
             self._param_bytes,
@@ -111,7 +115,8 @@ class VectorizedExecutor:
             (b.shape[0] for p in plans for plan in p.values() for b in plan.batches), default=1
         )
         widest = max(len(u.plans) for u in program.updates)  # minibatches live in one update
-        size = self.chunk_size(tasks, max_batch * widest)
+        carry_bytes = tree_bytes(program.init(message, states[0], tasks[0]))  # one client's
+        size = self.chunk_size(tasks, max_batch * widest, carry_bytes)
         self.last_chunk_size = size
         # Most local steps first: chunks hold clients of similar budgets (little padding), and
         # inside a chunk the clients still training at step s are always a prefix.
