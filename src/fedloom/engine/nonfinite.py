@@ -84,19 +84,22 @@ def all_finite(results: Sequence[ClientResult]) -> bool:
     NaN and infinity propagate through a sum. False (also when a finite sum overflows) sends
     the round to the exact check of each client."""
     wholes: dict[int, torch.Tensor] = {}
-    pending: list[Any] = []
+
+    def collect(tree: Any) -> None:  # no key paths: this pass runs every round
+        for node in tree.values():
+            if isinstance(node, torch.Tensor):
+                base = node._base
+                whole = node if base is None else base
+                wholes[id(whole)] = whole  # one sum per stacked tensor, however many rows
+            elif isinstance(node, Mapping):
+                collect(node)
+
     for result in results:
         if not math.isfinite(result.loss):
             return False
-        pending.append(result.upload)
-        pending.append(result.state)
-        while pending:  # a walk without key paths: this pass runs on every round
-            node = pending.pop()
-            if isinstance(node, torch.Tensor):
-                whole = node._base if node._base is not None else node
-                wholes[id(whole)] = whole  # one sum per stacked tensor, however many rows
-            elif isinstance(node, dict | Mapping):
-                pending.extend(node.values())
+        collect(result.upload)
+        if result.state is not None:
+            collect(result.state)
     return all(math.isfinite(float(t.sum())) for t in wholes.values() if t.is_floating_point())
 
 

@@ -253,13 +253,14 @@ class ChunkRunner:
         flat_cpu = [leaf.cpu() for leaf in leaves]
         per_client = [leaf.unbind(0) for leaf in flat_cpu]
         sums_cpu = {u: {k: v.cpu().tolist() for k, v in m.items()} for u, m in sums.items()}
+        counts_cpu = {u: n.tolist() for u, n in counts.items()}  # Python ints, not 0-d tensors
         out: list[ClientRun] = []
         for c in range(num):
             if runs[c] is not None:
                 out.append(runs[c])  # type: ignore[arg-type]
                 continue
             carry = spec.build([rows[c] for rows in per_client])
-            client_counts = {u: int(n[c]) for u, n in counts.items()}
+            client_counts = {u: n[c] for u, n in counts_cpu.items()}
             client_sums = {u: {k: v[c] for k, v in m.items()} for u, m in sums_cpu.items()}
             out.append(ClientRun(carry, finish_metrics(client_sums, client_counts), client_counts))
         return out
