@@ -38,6 +38,34 @@ def test_round_trip_and_absent_clients(tmp_path):
         assert store.get(4) is None
 
 
+def test_many_at_once_equals_one_by_one(tmp_path):
+    """set_many/get_many (the engine's per-round calls) against set/get client by client, with
+    a None state, a client whose state lacks a path, and a state overwritten in the batch."""
+    partial = {"params": {"w": torch.ones(3, 4), "b": torch.ones(4)}, "buffers": {}}
+    clients = [3, 0, 1, 4]
+    states = [_state(3), None, partial, _state(4)]
+    for storage in ("memory", "mmap"):
+        one, many = (
+            ClientStateStore(5, storage, tmp_path / storage / name) for name in ("one", "many")
+        )
+        for c, st in zip(clients, states, strict=True):
+            one.set(c, st)
+        many.set_many(clients, states)
+        many.set_many([3], [_state(30)])
+        one.set(3, _state(30))
+        assert list(one) == list(many) == [0, 1, 3, 4]
+        pairs = zip(one.get_many(list(range(5))), many.get_many(list(range(5))), strict=True)
+        for got_one, got_many in pairs:
+            assert (got_one is None) == (got_many is None)
+            if got_one is not None:
+                for key in ("params", "buffers"):
+                    assert got_one[key].keys() == got_many[key].keys()
+                    for k in got_one[key]:
+                        assert torch.equal(got_one[key][k], got_many[key][k])
+        assert torch.equal(many.get(3)["c"], _state(30)["c"])
+        assert torch.equal(many.get(1)["params"]["w"], torch.ones(3, 4))
+
+
 def test_checkpoint_round_trip(tmp_path):
     store = ClientStateStore(3)
     store.set(0, _state(0))

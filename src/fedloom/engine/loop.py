@@ -198,13 +198,12 @@ class Engine:
         uploads; ``state`` moves to the end of the round."""
         cfg, algorithm, tick = self.config, self.algorithm, time.perf_counter()
         clients = self.training.sample(cfg.seed, round)
-        for c in clients:
-            if c not in state.clients:
-                state.clients.set(c, algorithm.init_client_state(state.server, c))
+        new = [c for c in clients if c not in state.clients]
+        state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
         message = algorithm.server_message(state.server, round)
         tasks = self.tasks_for_round(round, clients)
         results = self.executor.run_round(
-            algorithm, message, tasks, [state.clients.get(t.client_id) for t in tasks]
+            algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
         )
         # a dropped client's upload still crossed the network: counted before screening
         up = sum(message_bytes(r.upload) for r in results) if algorithm.communicates else 0
@@ -214,8 +213,12 @@ class Engine:
         for task, result in zip(tasks, results, strict=True):
             for transform in self.upload_transforms:
                 result.upload = transform(result.upload, task.client_id, round)
-            if result.state is not None:
-                state.clients.set(task.client_id, result.state)
+        kept = [
+            (t.client_id, r.state)
+            for t, r in zip(tasks, results, strict=True)
+            if r.state is not None
+        ]
+        state.clients.set_many([c for c, _ in kept], [s for _, s in kept])
         down = algorithm.download_bytes(message, clients) if algorithm.communicates else 0
         state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         if results:  # every sampled client dropped out: the server keeps its state

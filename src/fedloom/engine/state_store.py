@@ -60,42 +60,71 @@ class ClientStateStore:
             self._tmp = tempfile.TemporaryDirectory(prefix="fedloom-state-")
             directory = Path(self._tmp.name)
         self.directory = directory
-        self.present = torch.zeros(num_clients, dtype=torch.bool)
+        self._present: set[int] = set()  # a Python set: membership is asked per client
         self.tables: dict[str, torch.Tensor] = {}
         self._none: set[int] = set()
         self._empty: set[str] = set()
 
     # -- mapping --------------------------------------------------------------------------
     def __contains__(self, client: object) -> bool:
-        return isinstance(client, int) and (
-            client in self._none or (0 <= client < self.num_clients and bool(self.present[client]))
-        )
+        return client in self._present or client in self._none
 
     def get(self, client: int) -> State | None:
         """The client's state as views into the tables (None if never set, or set to None)."""
-        if client not in self or client in self._none:
+        if client not in self._present:
             return None
         flat: dict[str, Any] = {path: table[client] for path, table in self.tables.items()}
         return _unflatten(flat | {path: {} for path in self._empty})
 
+    def get_many(self, clients: list[int]) -> list[State | None]:
+        """``get`` of each client: each table's rows taken in one ``unbind``, not one indexing
+        call per client and table (1,000 clients a round, W3)."""
+        rows = {path: table.unbind(0) for path, table in self.tables.items()}
+        empty = {path: {} for path in self._empty}
+        return [
+            _unflatten({path: r[c] for path, r in rows.items()} | empty)
+            if c in self._present
+            else None
+            for c in clients
+        ]
+
     def set(self, client: int, state: State | None) -> None:
-        if state is None:
-            self._none.add(client)
-            return
-        self._none.discard(client)
-        flat = _flatten(state)
-        for path, value in flat.items():
-            if isinstance(value, dict):
-                self._empty.add(path)
+        self.set_many([client], [state])
+
+    def set_many(self, clients: list[int], states: list[State | None]) -> None:
+        """``set`` of each client: one gather of the new rows and one ``index_copy_`` per table
+        when the states share their paths (the usual case), else client by client."""
+        written: list[int] = []
+        columns: dict[str, list[torch.Tensor]] = {}
+        for client, state in zip(clients, states, strict=True):
+            if state is None:
+                self._none.add(client)
+                self._present.discard(client)
                 continue
+            self._none.discard(client)
+            written.append(client)
+            for path, value in _flatten(state).items():
+                if isinstance(value, dict):
+                    self._empty.add(path)
+                else:
+                    columns.setdefault(path, []).append(value)
+        if not written:
+            return
+        shared_paths = all(len(values) == len(written) for values in columns.values())
+        for path, values in columns.items():
             table = self.tables.get(path)
             if table is None:
-                table = self.tables[path] = self._allocate(path, value)
-            table[client].copy_(value)
-        self.present[client] = True
+                table = self.tables[path] = self._allocate(path, values[0])
+            if shared_paths and len(values) > 1:
+                table.index_copy_(0, torch.tensor(written), torch.stack(values))
+            else:  # a client without this path, or a single client
+                owners = written if shared_paths else _owners(clients, states, path)
+                for client, value in zip(owners, values, strict=True):
+                    table[client].copy_(value)
+        self._present.update(written)
 
     def __iter__(self) -> Iterator[int]:
-        yield from sorted(set(torch.nonzero(self.present).flatten().tolist()) | self._none)
+        yield from sorted(self._present | self._none)
 
     def stacked(self, clients: list[int]) -> State:
         """The states of ``clients`` stacked along a leading dimension (for vmap)."""
@@ -115,6 +144,11 @@ class ClientStateStore:
         table = torch.from_file(str(file), shared=True, size=numel, dtype=like.dtype)
         return table.view(shape)
 
+    def _present_mask(self) -> torch.Tensor:
+        mask = torch.zeros(self.num_clients, dtype=torch.bool)
+        mask[sorted(self._present)] = True
+        return mask
+
     def nbytes(self) -> int:
         """Logical size of all tables (what they occupy once every client is set)."""
         return sum(t.numel() * t.element_size() for t in self.tables.values())
@@ -123,17 +157,26 @@ class ClientStateStore:
     def state_dict(self) -> dict[str, Any]:
         return {
             "num_clients": self.num_clients,
-            "present": self.present.clone(),
+            "present": self._present_mask(),
             "none": sorted(self._none),
             "empty": sorted(self._empty),
             "tables": dict(self.tables),  # the checkpoint writer reads them; no extra copy
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.present = saved["present"].clone()
+        self._present = set(torch.nonzero(saved["present"]).flatten().tolist())
         self._none = set(saved["none"])
         self._empty = set(saved["empty"])
         self.tables = {}
         for path, table in saved["tables"].items():
             self.tables[path] = self._allocate(path, table[0])
             self.tables[path].copy_(table)
+
+
+def _owners(clients: list[int], states: list[State | None], path: str) -> list[int]:
+    """The clients whose state has a tensor at ``path``, in order."""
+    return [
+        c
+        for c, s in zip(clients, states, strict=True)
+        if s is not None and not isinstance(_flatten(s).get(path, {}), dict)
+    ]
