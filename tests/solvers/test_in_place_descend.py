@@ -31,6 +31,25 @@ def test_in_place_descend_under_vmap_writes_into_the_stack_and_equals_out_of_pla
     torch.testing.assert_close(out["b"], expected["b"])
 
 
+def test_proximal_descend_in_place_and_out_of_place_agree_with_the_formula():
+    """w - lr (g + mu (w - anchor)) (Ditto (9), pFedMe (6)), lr mu > 1 as in pFedMe's
+    defaults: both vmap variants and the one-client ops."""
+    params, grads = _trees()
+    anchor = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    lr, mu = 0.09, 15.0
+    expected = {k: params[k] - lr * (grads[k] + mu * (params[k] - anchor[k])) for k in grads}
+    out = AUTOGRAD.descend(dict(params), grads, lr, anchor, mu)
+    torch.testing.assert_close(out["w"], expected["w"])
+    torch.testing.assert_close(out["b"], params["b"])  # no gradient: unchanged, not pulled
+    for ops in (FUNC, FUNC_IN_PLACE):
+        copy = {k: v.clone() for k, v in params.items()}
+        moved = vmap(lambda p, g, a, o=ops: o.descend(p, g, lr, a, mu), in_dims=(0, 0, 0))(
+            copy, grads, anchor
+        )
+        torch.testing.assert_close(moved["w"], expected["w"])
+        assert torch.equal(copy["w"], moved["w"]) == (ops is FUNC_IN_PLACE)
+
+
 @pytest.mark.parametrize("ops", [AUTOGRAD, FUNC])
 def test_out_of_place_ops_never_touch_their_inputs(ops):
     params, grads = _trees()

@@ -50,10 +50,17 @@ class AutogradOps:
         grads, v = self.value_and_grad(value, params, *args)
         return grads, v, _detached(held[0])
 
-    def descend(self, params: Tree, grads: Tree, lr: float | torch.Tensor) -> Tree:
-        """params - lr * grads, out of place: one client's carry may share tensors with the
+    def descend(
+        self,
+        params: Tree,
+        grads: Tree,
+        lr: float | torch.Tensor,
+        anchor: Tree | None = None,
+        mu: float = 0.0,
+    ) -> Tree:
+        """``steps.descend``, out of place: one client's carry may share tensors with the
         round's message (FedAvg starts from the global model)."""
-        return descend(params, grads, lr)
+        return descend(params, grads, lr, anchor, mu)
 
 
 class FuncOps:
@@ -77,14 +84,24 @@ class FuncOps:
         grads, (value, aux) = grad_and_value(f, has_aux=True)(params, *args)
         return grads, value, aux
 
-    def descend(self, params: Tree, grads: Tree, lr: float | torch.Tensor) -> Tree:
+    def descend(
+        self,
+        params: Tree,
+        grads: Tree,
+        lr: float | torch.Tensor,
+        anchor: Tree | None = None,
+        mu: float = 0.0,
+    ) -> Tree:
         if not self.in_place:
-            return descend(params, grads, lr)
+            return descend(params, grads, lr, anchor, mu)
         for k, g in grads.items():
+            p = params[k]
+            if anchor is not None and mu:  # as steps.descend; lerp_ has no vmap batching rule
+                p.mul_(1.0 - lr * mu).add_(anchor[k], alpha=lr * mu)
             if isinstance(lr, torch.Tensor):
-                params[k].sub_(lr * g)
+                p.sub_(lr * g)
             else:
-                params[k].add_(g, alpha=-lr)
+                p.add_(g, alpha=-lr)
         return params
 
 

@@ -90,9 +90,12 @@ class Ops(Protocol):
         params: dict[str, torch.Tensor],
         grads: dict[str, torch.Tensor],
         lr: float | torch.Tensor,
+        anchor: dict[str, torch.Tensor] | None = None,
+        mu: float = 0.0,
     ) -> dict[str, torch.Tensor]:
-        """params - lr * grads on the keys of ``grads``. The vmap backend may write into
-        ``params`` (see FuncOps): a caller hands over ``params`` and uses only the result."""
+        """params - lr (grads + mu (params - anchor)) on the keys of ``grads`` (mu = 0: plain
+        SGD). The vmap backend may write into ``params`` (see FuncOps): a caller hands over
+        ``params`` and uses only the result."""
         ...
 
 

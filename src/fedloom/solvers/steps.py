@@ -39,12 +39,31 @@ def subset_loss_grad(
     return ops.value_and_grad(loss, {k: params[k] for k in keys})
 
 
-def descend(params: Tree, grads: Tree, lr: float | torch.Tensor) -> Tree:
+def descend(
+    params: Tree,
+    grads: Tree,
+    lr: float | torch.Tensor,
+    anchor: Tree | None = None,
+    mu: float = 0.0,
+) -> Tree:
     """params - lr * grads on the keys of ``grads`` (the others unchanged); one fused kernel
-    per tensor for a number ``lr`` (a memory-bound pass: W3's 31 MB per step)."""
-    if isinstance(lr, torch.Tensor):
-        return {k: p - lr * grads[k] if k in grads else p for k, p in params.items()}
-    return {k: torch.add(p, grads[k], alpha=-lr) if k in grads else p for k, p in params.items()}
+    per tensor for a number ``lr`` (a memory-bound pass: W3's 31 MB per step). With a proximal
+    pull (``anchor``, mu > 0), params - lr (grads + mu (params - anchor)) as
+    ((1 - lr mu) params + lr mu anchor) - lr grads: the kernels the vmap backend can also run
+    in place (Ditto (9), pFedMe (6))."""
+    if anchor is not None and mu:
+        w = lr * mu
+        return {
+            k: _step(torch.add(p * (1.0 - w), anchor[k], alpha=w), grads[k], lr)
+            if k in grads
+            else p
+            for k, p in params.items()
+        }
+    return {k: _step(p, grads[k], lr) if k in grads else p for k, p in params.items()}
+
+
+def _step(p: torch.Tensor, g: torch.Tensor, lr: float | torch.Tensor) -> torch.Tensor:
+    return p - lr * g if isinstance(lr, torch.Tensor) else torch.add(p, g, alpha=-lr)
 
 
 def proximal_gradient(params: Tree, anchor: Tree, mu: float) -> Tree | None:
@@ -53,14 +72,6 @@ def proximal_gradient(params: Tree, anchor: Tree, mu: float) -> Tree | None:
     if mu == 0:
         return None
     return {k: mu * (params[k] - anchor[k]) for k in params}
-
-
-def pull(grads: Tree, params: Tree, anchor: Tree, mu: float) -> Tree:
-    """grads with the proximal term's gradient added (``grads`` itself when mu is 0): two
-    passes over each tensor (w - anchor, then g + mu (w - anchor) fused), not three."""
-    if mu == 0:
-        return grads
-    return {k: torch.add(g, params[k] - anchor[k], alpha=mu) for k, g in grads.items()}
 
 
 def prox_sgd_step(
@@ -75,4 +86,4 @@ def prox_sgd_step(
 ) -> tuple[Tree, torch.Tensor]:
     """One step w <- w - lr (grad f(w; batch) + mu (w - anchor)); returns (w, f(w; batch))."""
     grads, loss = loss_grad(ops, model, params, buffers, batch)
-    return ops.descend(params, pull(grads, params, anchor, mu), lr), loss
+    return ops.descend(params, grads, lr, anchor, mu), loss
