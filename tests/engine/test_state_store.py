@@ -51,9 +51,11 @@ def test_many_at_once_equals_one_by_one(tmp_path):
         for c, st in zip(clients, states, strict=True):
             one.set(c, st)
         many.set_many(clients, states)
-        many.set_many([3], [_state(30)])
+        many.set_many([3, 3], [_state(31), _state(30)])  # twice in a batch: the last wins
         one.set(3, _state(30))
         assert list(one) == list(many) == [0, 1, 3, 4]
+        # all five (one unbind per table) and one of five (indexed one by one)
+        assert torch.equal(many.get_many([3])[0]["c"], _state(30)["c"])
         pairs = zip(one.get_many(list(range(5))), many.get_many(list(range(5))), strict=True)
         for got_one, got_many in pairs:
             assert (got_one is None) == (got_many is None)
