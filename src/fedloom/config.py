@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from fedloom.algorithms import AlgorithmConfig, parse_algorithm_config
+from fedloom.algorithms import ALGORITHMS, AlgorithmConfig, parse_algorithm_config
 from fedloom.core.validation import format_validation_error
 from fedloom.errors import ConfigError
 
@@ -255,6 +255,42 @@ class ExecutorConfig(StrictModel):
         return value
 
 
+class PrivacyConfig(StrictModel):
+    """Differential privacy (docs/privacy.md). ``client_dp``: DP-FedAvg (McMahan et al. 2018):
+    each client's model update clipped to L2 norm ``clip``, Gaussian noise of std
+    ``noise_multiplier * clip`` on their sum, divided by the expected number of clients per
+    round; accounted with Opacus as ``rounds`` steps of the subsampled Gaussian mechanism."""
+
+    kind: Literal["none", "client_dp", "sample_dp"] = "none"
+    noise_multiplier: float | None = Field(default=None, ge=0.0)
+    target_epsilon: float | None = Field(default=None, gt=0.0)
+    """Instead of ``noise_multiplier``: the smallest noise that keeps epsilon at the last round
+    within this (Opacus's ``get_noise_multiplier``)."""
+    clip: float = Field(default=1.0, gt=0.0)
+    adaptive_clip: dict[str, Any] | None = None
+    delta: float = Field(default=1e-5, gt=0.0, lt=1.0)
+    accountant: Literal["rdp", "prv"] = "rdp"
+    sampling: Literal["poisson", "fixed"] = "poisson"
+    """How the clients of a round are drawn: each training client independently with
+    probability q = train.clients_per_round / clients (what the accountant assumes), or
+    exactly train.clients_per_round of them (the accountant's q = m / N is then the usual
+    approximation)."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> PrivacyConfig:
+        if self.kind == "none":
+            return self
+        if self.kind == "sample_dp":
+            raise ValueError(
+                "kind sample_dp (DP-SGD inside clients) is not built yet; client_dp is"
+            )
+        if self.adaptive_clip is not None:
+            raise ValueError("adaptive clipping is not built yet: set a fixed clip")
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("set exactly one of noise_multiplier and target_epsilon")
+        return self
+
+
 class StateConfig(StrictModel):
     storage: Literal["memory", "mmap"] = "memory"
     """Per-client persistent state: stacked tensors in RAM, or memory-mapped files under the
@@ -328,6 +364,7 @@ class RunConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     state: StateConfig = Field(default_factory=StateConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
@@ -346,6 +383,25 @@ class RunConfig(StrictModel):
     def _client_counts(self) -> RunConfig:
         if self.data.num_clients is not None:
             check_client_counts(self, self.data.num_clients)
+        return self
+
+    @model_validator(mode="after")
+    def _privacy_applies(self) -> RunConfig:
+        """client_dp needs a server step that averages client models (the FedAvg family) and
+        a number of clients per round (the sampling rate)."""
+        if self.privacy.kind != "client_dp":
+            return self
+        algorithm = ALGORITHMS.get(self.algorithm.name)
+        if not (algorithm.averages_client_models and algorithm.communicates):
+            raise ConfigError(
+                f"privacy.kind: client_dp needs an algorithm whose server averages the clients' "
+                f"models (fedavg, fedprox, fedopt's family, ...); {self.algorithm.name} does not"
+            )
+        if self.train.clients_per_round is None:
+            raise ConfigError(
+                "privacy.kind: client_dp samples clients each round: set "
+                "train.clients_per_round (the sampling rate is clients_per_round / clients)"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -84,6 +84,11 @@ class Algorithm:
     classification_only: ClassVar[str] = ""
     """Why the algorithm needs a classification task (class counts, prototypes ...); empty:
     any task. Checked when the algorithm is built."""
+    averages_client_models: ClassVar[bool] = False
+    """The server step is ``aggregate_models`` of the uploaded models (one ``ctx.aggregate`` of
+    the clients' parameters): client-level DP (privacy.kind client_dp) can clip each client's
+    update and noise the average. Declared by FedAvg (and what inherits its server), the
+    server optimizers of FedOpt and FedLC."""
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         self.config = config

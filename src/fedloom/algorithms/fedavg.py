@@ -18,6 +18,7 @@ from fedloom.core.protocol import ClientResult, State
 class FedAvg(Algorithm):
     name = "fedavg"
     summary = "FedAvg: local SGD, sample-size weighted model averaging (McMahan et al., 2017)"
+    averages_client_models = True
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return self.aggregate_models(results)

@@ -144,6 +144,7 @@ class FedLC(Algorithm):
     summary = "FedLC: FedAvg with logits calibrated by tau n_c^(-1/4) in the local loss"
     Config = FedLCConfig
     classification_only = "class counts"
+    averages_client_models = True
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return self.aggregate_models(results)

@@ -86,6 +86,8 @@ class ServerOptimizer(Algorithm):
     by server_lr * direction.
     """
 
+    averages_client_models = True
+
     slots: ClassVar[tuple[str, ...]] = ("m",)
 
     def init_slots(self, params: Tree) -> Slots:

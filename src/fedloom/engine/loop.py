@@ -35,8 +35,9 @@ from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
 from fedloom.engine.workload import full_budget, straggler_steps
-from fedloom.errors import RunDirError
+from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
+from fedloom.privacy import ClientLevelDP
 from fedloom.solvers.local import PlanMaker
 
 UploadTransform = Callable[[Message, int, int], Message]
@@ -85,6 +86,10 @@ class Engine:
         new = config.eval.new_clients
         self.train_ids = list(range(data.num_clients - new))
         self.new_ids = list(range(data.num_clients - new, data.num_clients))
+        self.privacy = self._privacy(len(self.train_ids))
+        if self.privacy is not None:
+            aggregator = self.privacy.aggregate
+            self.upload_transforms.insert(0, self.privacy.clip_upload)
         ctx = AlgorithmContext(
             model=self.model,
             seed=config.seed,
@@ -98,13 +103,17 @@ class Engine:
         )
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
         self.training = TrainingClients.view(
-            data, self.train_ids, train.clients_per_round, self.algorithm.pooled
+            data,
+            self.train_ids,
+            train.clients_per_round,
+            self.algorithm.pooled,
+            poisson=self.privacy is not None and config.privacy.sampling == "poisson",
         )
         self.evaluation = Evaluation()
         self.callbacks: list[Callback] = [
             self.evaluation,
             *([HealthMonitor()] if config.monitor.enabled else []),
-            PrivacyAccounting(self.upload_transforms),
+            PrivacyAccounting([self.privacy, *self.upload_transforms]),
             *(callbacks or []),
             MetricsLog(progress),
             Checkpointing(),
@@ -150,6 +159,22 @@ class Engine:
         if state.executor_choice and hasattr(self.executor, "choice"):
             self.executor.choice = state.executor_choice  # resume on the same executor
         return state
+
+    def _privacy(self, num_train: int) -> ClientLevelDP | None:
+        """The run's differential-privacy mechanism (``privacy``), or None."""
+        cfg = self.config
+        if cfg.privacy.kind == "none":
+            return None
+        buffers = [n for n, _ in self.model.module.named_buffers()]
+        if buffers:
+            raise ConfigError(
+                f"privacy.kind: client_dp cannot release the model's buffers ({', '.join(buffers)})"
+                " without noise: use a model without normalization statistics"
+            )
+        assert cfg.train.clients_per_round is not None  # checked when parsed
+        return ClientLevelDP(
+            cfg.privacy, cfg.seed, num_train, cfg.train.clients_per_round, cfg.train.rounds
+        )
 
     def _threads(self) -> int | None:
         """This process's intra-op threads for the run (engine/threads.py, run_threads)."""
@@ -201,6 +226,8 @@ class Engine:
         new = [c for c in clients if c not in state.clients]
         state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
         message = algorithm.server_message(state.server, round)
+        if self.privacy is not None:
+            self.privacy.start_round(round, message)
         tasks = self.tasks_for_round(round, clients)
         results = self.executor.run_round(
             algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
@@ -256,6 +283,8 @@ class Engine:
         }
         if last.get("new_clients"):
             summary["final"]["new_clients"] = last["new_clients"]
+        if self.privacy is not None:
+            summary["privacy"] = self.privacy.summary()
         accuracy = last.get("client_accuracy")
         if accuracy and len(accuracy) == len(self.train_ids):
             # each client's deployed (personalized) model on its own held-out data

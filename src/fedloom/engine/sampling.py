@@ -33,13 +33,21 @@ class TrainingClients:
 
     data: dict[int, ClientData]
     per_round: int | None
+    poisson: bool = False
+    """Draw each client independently with probability per_round / clients (differential
+    privacy's Poisson sampling: a round may hold any number of clients, none too)."""
 
     @classmethod
     def view(
-        cls, data: FederatedData, ids: list[int], per_round: int | None, pooled: bool
+        cls,
+        data: FederatedData,
+        ids: list[int],
+        per_round: int | None,
+        pooled: bool,
+        poisson: bool = False,
     ) -> TrainingClients:
         if not pooled:
-            return cls({c: data.clients[c] for c in ids}, per_round)
+            return cls({c: data.clients[c] for c in ids}, per_round, poisson)
         parts = [data.clients[c] for c in ids]
         joined = ClientData(
             *(torch.cat([getattr(p, key) for p in parts]) for key in ClientData.__annotations__)
@@ -47,4 +55,12 @@ class TrainingClients:
         return cls({POOLED_CLIENT: joined}, None)
 
     def sample(self, seed: int, round: int) -> list[int]:
+        if self.poisson and self.per_round is not None:
+            return poisson_clients(seed, round, list(self.data), self.per_round / len(self.data))
         return sample_clients(seed, round, list(self.data), self.per_round)
+
+
+def poisson_clients(seed: int, round: int, eligible: list[int], rate: float) -> list[int]:
+    """Each of ``eligible`` independently with probability ``rate``, from the round's stream."""
+    draws = torch.rand(len(eligible), generator=generator(seed, "sample/poisson", round))
+    return [c for c, u in zip(eligible, draws.tolist(), strict=True) if u < rate]
