@@ -255,6 +255,18 @@ class ExecutorConfig(StrictModel):
         return value
 
 
+class AdaptiveClipConfig(StrictModel):
+    """Adaptive clipping (Andrew et al., "Differentially Private Learning with Adaptive
+    Clipping", NeurIPS 2021): the bound follows the ``target_quantile`` of the clients' update
+    norms, C <- C exp(-lr (b - target_quantile)), b the noised fraction of updates within C."""
+
+    target_quantile: float = Field(default=0.5, gt=0.0, lt=1.0)
+    lr: float = Field(default=0.2, gt=0.0)
+    count_noise: float | None = Field(default=None, ge=0.0)
+    """Std of the noise on the count of clipped updates (null: expected clients per round /
+    20, the paper's choice); part of the privacy budget (docs/privacy.md)."""
+
+
 class PrivacyConfig(StrictModel):
     """Differential privacy (docs/privacy.md). ``client_dp``: DP-FedAvg (McMahan et al. 2018):
     each client's model update clipped to L2 norm ``clip``, Gaussian noise of std
@@ -267,7 +279,8 @@ class PrivacyConfig(StrictModel):
     """Instead of ``noise_multiplier``: the smallest noise that keeps epsilon at the last round
     within this (Opacus's ``get_noise_multiplier``)."""
     clip: float = Field(default=1.0, gt=0.0)
-    adaptive_clip: dict[str, Any] | None = None
+    """The bound S on each client's update (with ``adaptive_clip``: its first value)."""
+    adaptive_clip: AdaptiveClipConfig | None = None
     delta: float = Field(default=1e-5, gt=0.0, lt=1.0)
     accountant: Literal["rdp", "prv"] = "rdp"
     sampling: Literal["poisson", "fixed"] = "poisson"
@@ -284,8 +297,6 @@ class PrivacyConfig(StrictModel):
             raise ValueError(
                 "kind sample_dp (DP-SGD inside clients) is not built yet; client_dp is"
             )
-        if self.adaptive_clip is not None:
-            raise ValueError("adaptive clipping is not built yet: set a fixed clip")
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("set exactly one of noise_multiplier and target_epsilon")
         return self
@@ -402,6 +413,17 @@ class RunConfig(StrictModel):
                 "privacy.kind: client_dp samples clients each round: set "
                 "train.clients_per_round (the sampling rate is clients_per_round / clients)"
             )
+        adaptive, z = self.privacy.adaptive_clip, self.privacy.noise_multiplier
+        if adaptive is not None and z:  # with target_epsilon, z is known when the run starts
+            count_noise = adaptive.count_noise
+            if count_noise is None:
+                count_noise = self.train.clients_per_round / 20.0
+            if 2.0 * count_noise <= z:
+                raise ConfigError(
+                    f"privacy.adaptive_clip.count_noise: {count_noise:g} (null: "
+                    f"clients_per_round / 20) is too small for noise_multiplier {z:g}: it must "
+                    "exceed noise_multiplier / 2 (Andrew et al. 2021, Theorem 1)"
+                )
         return self
 
     def to_dict(self) -> dict[str, Any]:

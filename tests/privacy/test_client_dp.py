@@ -142,11 +142,12 @@ def test_a_private_run_resumes_bit_for_bit(tmp_path):
         ({"noise_multiplier": 1.0}, "fedavg", {"clients_per_round": None}, "clients_per_round"),
         ({"noise_multiplier": 1.0, "target_epsilon": 3.0}, "fedavg", {}, "exactly one"),
         ({}, "fedavg", {}, "exactly one"),
+        ({"noise_multiplier": 0.8, "adaptive_clip": {}}, "fedavg", {}, "count_noise: 0.2"),
         (
-            {"noise_multiplier": 1.0, "adaptive_clip": {"target_quantile": 0.5}},
+            {"noise_multiplier": 1.0, "adaptive_clip": {"target_quantile": 1.5}},
             "fedavg",
             {},
-            "adaptive clipping is not built yet",
+            "target_quantile",
         ),
     ],
 )
@@ -167,3 +168,50 @@ def test_models_with_buffers_are_refused():
     config["model"] = {"name": "cnn_bn"}
     with pytest.raises(ConfigError, match="buffers"):
         fedloom.run(config, write=False, progress=False)
+
+
+# -- adaptive clipping (Andrew et al. 2021) ----------------------------------------------------
+def test_adaptive_clip_takes_the_papers_geometric_step():
+    """No noise: 1 of 4 updates within C = 1, target 0.5, lr 0.2: C <- exp(-0.2 (1/4 - 1/2))."""
+    adaptive = {"target_quantile": 0.5, "lr": 0.2, "count_noise": 0.0}
+    cfg = PrivacyConfig(kind="client_dp", noise_multiplier=0.0, clip=1.0, adaptive_clip=adaptive)
+    dp = ClientLevelDP(cfg, seed=0, num_clients=8, per_round=4, rounds=3)
+    anchor = {"w": torch.zeros(3)}
+    dp.start_round(1, {"params": anchor})
+    uploads = [{"params": {"w": torch.tensor([n, 0.0, 0.0])}} for n in (0.5, 1.5, 2.0, 3.0)]
+    clipped = [dp.clip_upload(u, c, 1)["params"] for c, u in enumerate(uploads)]
+    dp.aggregate(clipped, [1.0] * 4)
+    assert dp.clip == pytest.approx(math.exp(0.05), rel=1e-12)
+    assert dp.state_dict() == {"clip": dp.clip}
+
+
+def test_the_updates_share_of_the_noise_follows_theorem_1():
+    from fedloom.privacy.client_dp import update_noise_multiplier
+
+    assert update_noise_multiplier(1.0, 1.0) == pytest.approx((1 - 0.25) ** -0.5, rel=1e-12)
+    with pytest.raises(ConfigError, match="count_noise"):
+        update_noise_multiplier(2.0, 1.0)  # sigma_b must exceed z / 2
+
+
+def test_adaptive_clip_settles_near_the_target_quantile():
+    config = dp_config(
+        {"noise_multiplier": 0.0, "clip": 0.01, "adaptive_clip": {"count_noise": 0.0}},
+        rounds=40,
+        clients_per_round=8,
+    )
+    cfg = parse_config(config)
+    data = load_dataset(cfg.data, cfg.seed)
+    engine = Engine(cfg, data, build_model("mlp", data.input_shape, data.num_outputs))
+    result = engine.run()
+    clips = [row["privacy"]["clip"] for row in result.history]
+    assert clips[-1] > 5 * clips[0]  # grew from a bound every update exceeded
+    assert engine.privacy is not None
+    within = engine.privacy._within  # the last round's updates within the bound
+    assert 0.1 <= sum(within) / len(within) <= 0.9
+
+
+def test_a_run_with_adaptive_clipping_resumes_bit_for_bit(tmp_path):
+    config = dp_config({"noise_multiplier": 0.8, "adaptive_clip": {"count_noise": 1.0}}, rounds=4)
+    config["checkpoint"] = {"every": 1}
+    full, resumed, _ = killed_and_resumed(config, tmp_path, crash_round=3)
+    assert full.summary["privacy"]["clip"] == resumed.summary["privacy"]["clip"] != 1.0

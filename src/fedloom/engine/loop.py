@@ -158,6 +158,8 @@ class Engine:
         self.run_dir.rewrite_metrics(state.history)
         if state.executor_choice and hasattr(self.executor, "choice"):
             self.executor.choice = state.executor_choice  # resume on the same executor
+        if self.privacy is not None and state.privacy:
+            self.privacy.load_state_dict(state.privacy)
         return state
 
     def _privacy(self, num_train: int) -> ClientLevelDP | None:
@@ -250,6 +252,8 @@ class Engine:
         state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         if results:  # every sampled client dropped out: the server keeps its state
             state.server = algorithm.aggregate(state.server, results)
+        if self.privacy is not None:
+            state.privacy = self.privacy.state_dict()
         state.round = round
         evaluate = round % cfg.eval.every == 0 or round == cfg.train.rounds
         seconds = time.perf_counter() - tick

@@ -28,6 +28,8 @@ class RunState:
     """Client results left out as non-finite (``train.nonfinite: drop``)."""
     executor_choice: str | None = None
     """``auto``'s choice, so that a resumed run continues on the same executor."""
+    privacy: dict[str, Any] = field(default_factory=dict)
+    """The privacy mechanism's own state (adaptive clipping's current bound)."""
 
     def checkpoint(self) -> dict[str, Any]:
         return {
@@ -40,6 +42,7 @@ class RunState:
             "elapsed": self.elapsed,
             "dropped_nonfinite": self.dropped_nonfinite,
             "executor_choice": self.executor_choice,
+            "privacy": self.privacy,
         }
 
     @classmethod
@@ -55,6 +58,7 @@ class RunState:
             elapsed=saved["elapsed"],
             dropped_nonfinite=saved.get("dropped_nonfinite", 0),
             executor_choice=saved.get("executor_choice"),
+            privacy=saved.get("privacy") or {},
         )
 
 

@@ -12,6 +12,16 @@ subsampled Gaussian with noise multiplier z, once per round: Opacus accounts for
 (``accounting.epsilon``). The noise of round t is drawn from the stream (seed, round t,
 'dp/noise'), so a resumed run adds the same noise as an uninterrupted one.
 
+With ``adaptive_clip`` (Andrew et al., NeurIPS 2021, Algorithm 1) the bound moves each round
+toward the target quantile gamma of the update norms:
+
+    b_k = 1[||Delta_k|| <= C_t];   b = (sum_k b_k + N(0, sigma_b^2)) / (q N)
+    C_{t+1} = C_t exp(-eta_C (b - gamma))
+
+and the updates' noise multiplier becomes z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that the
+two releases together are one Gaussian mechanism of multiplier z (the paper's Theorem 1): the
+accountant keeps counting z. C_t is part of the run's checkpointed state.
+
 Threat model (docs/privacy.md): central DP with a trusted server, which sees each clipped
 update; the released models (and everything derived from them) are (epsilon, delta)-DP at the
 client level. Models with buffers (BatchNorm statistics) are refused: their averages would be
@@ -35,15 +45,34 @@ from fedloom.privacy.accounting import epsilon, noise_multiplier_for
 Tree = dict[str, torch.Tensor]
 
 
+def update_norm(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor]) -> float:
+    """||params - anchor||, the L2 norm over all tensors (in float64)."""
+    return math.sqrt(
+        sum(float((params[k].double() - anchor[k].double()).pow(2).sum()) for k in anchor)
+    )
+
+
 def clip_update(
     params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], bound: float
 ) -> Tree:
-    """anchor + (params - anchor) min(1, bound / ||params - anchor||), the norm over all
-    tensors (in float64)."""
-    delta = {k: params[k] - anchor[k] for k in anchor}
-    norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
+    """anchor + (params - anchor) min(1, bound / ||params - anchor||)."""
+    norm = update_norm(params, anchor)
     factor = 1.0 if norm <= bound else bound / norm
-    return {k: anchor[k] + d * factor for k, d in delta.items()}
+    return {k: anchor[k] + (params[k] - anchor[k]) * factor for k in anchor}
+
+
+def update_noise_multiplier(z: float, count_noise: float) -> float:
+    """z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (Andrew et al. 2021, Theorem 1): the updates'
+    share of a total noise multiplier z when the clipped count carries noise sigma_b."""
+    if z == 0.0:
+        return 0.0
+    rest = z**-2 - (2.0 * count_noise) ** -2 if count_noise > 0 else -1.0
+    if rest <= 0.0:
+        raise ConfigError(
+            f"privacy.adaptive_clip.count_noise: {count_noise:g} is too small for "
+            f"noise_multiplier {z:g}: it must exceed noise_multiplier / 2"
+        )
+    return rest**-0.5
 
 
 class ClientLevelDP:
@@ -65,20 +94,37 @@ class ClientLevelDP:
             self.noise_multiplier = noise_multiplier_for(
                 config.target_epsilon, config.delta, self.sample_rate, rounds, config.accountant
             )
+        self.clip = float(config.clip)
+        """The current bound C_t (moves with adaptive clipping)."""
+        adaptive = config.adaptive_clip
+        self.count_noise = 0.0
+        self.update_multiplier = self.noise_multiplier
+        if adaptive is not None:
+            self.count_noise = (
+                adaptive.count_noise if adaptive.count_noise is not None else per_round / 20.0
+            )
+            self.update_multiplier = update_noise_multiplier(
+                self.noise_multiplier, self.count_noise
+            )
         self.round = 0
         self.anchor: Tree | None = None
         self._released = -1
+        self._within: list[bool] = []
 
     # -- the round ------------------------------------------------------------------------
     def start_round(self, round: int, message: Message) -> None:
         """The model the round's updates are measured from: the broadcast ``params``."""
         self.round = round
         self.anchor = message["params"]
+        self._within = []
 
     def clip_upload(self, upload: Message, client_id: int, round: int) -> Message:
-        """Clip the client's update (its uploaded model minus the broadcast one) to ``clip``."""
+        """Clip the client's update (its uploaded model minus the broadcast one) to C_t; note
+        whether it was within C_t (adaptive clipping's count)."""
         assert self.anchor is not None, "start_round first"
-        return {**upload, "params": clip_update(upload["params"], self.anchor, self.config.clip)}
+        params = upload["params"]
+        self._within.append(update_norm(params, self.anchor) <= self.clip)
+        return {**upload, "params": clip_update(params, self.anchor, self.clip)}
 
     def aggregate(
         self, trees: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
@@ -99,7 +145,7 @@ class ClientLevelDP:
             )
         self._released = self.round
         gen = generator(self.seed, "dp/noise", self.round)
-        std = self.noise_multiplier * self.config.clip
+        std = self.update_multiplier * self.clip
         out: Tree = {}
         for key in sorted(anchor):
             base = anchor[key]
@@ -109,14 +155,37 @@ class ClientLevelDP:
             if std > 0:
                 total += std * torch.randn(base.shape, generator=gen, dtype=torch.float64)
             out[key] = (base.double() + total / self.expected_clients).to(base.dtype)
+        self._adapt_clip()
         return {k: out[k] for k in anchor}
+
+    def _adapt_clip(self) -> None:
+        """C_{t+1} = C_t exp(-eta_C (b - gamma)), b the noised fraction within C_t."""
+        adaptive = self.config.adaptive_clip
+        if adaptive is None:
+            return
+        gen = generator(self.seed, "dp/clip_count", self.round)
+        noise = self.count_noise * float(torch.randn((), generator=gen, dtype=torch.float64))
+        fraction = (sum(self._within) + noise) / self.expected_clients
+        self.clip *= math.exp(-adaptive.lr * (fraction - adaptive.target_quantile))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs: the current bound."""
+        return {"clip": self.clip}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.clip = float(saved["clip"])
 
     # -- accounting -----------------------------------------------------------------------
     def privacy_spent(self) -> dict[str, Any]:
-        """Epsilon after the rounds so far (one subsampled Gaussian step per round)."""
+        """Epsilon after the rounds so far (one subsampled Gaussian step per round), and the
+        current bound."""
         cfg = self.config
         history = [(self.noise_multiplier, self.sample_rate, self.round)]
-        return {"epsilon": epsilon(history, cfg.delta, cfg.accountant), "delta": cfg.delta}
+        return {
+            "epsilon": epsilon(history, cfg.delta, cfg.accountant),
+            "delta": cfg.delta,
+            "clip": self.clip,
+        }
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``privacy`` section."""
@@ -125,7 +194,8 @@ class ClientLevelDP:
             "kind": "client_dp",
             "accountant": self.config.accountant,
             "noise_multiplier": self.noise_multiplier,
-            "clip": self.config.clip,
+            "update_noise_multiplier": self.update_multiplier,
+            "adaptive_clip": self.config.adaptive_clip is not None,
             "sample_rate": self.sample_rate,
             "sampling": self.config.sampling,
             "steps": self.round,
