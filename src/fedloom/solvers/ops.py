@@ -15,7 +15,37 @@ from fedloom.solvers.steps import descend
 Tree = dict[str, torch.Tensor]
 
 
-class AutogradOps:
+class Steps:
+    """The SGD step both kinds of ops share: ``steps.descend`` out of place; with ``in_place``
+    (only the vmap backend's choice, see FuncOps) written into ``params``. One client's carry
+    may share tensors with the round's message (FedAvg starts from the global model), so the
+    sequential ops never write in place."""
+
+    in_place = False
+
+    def descend(
+        self,
+        params: Tree,
+        grads: Tree,
+        lr: float | torch.Tensor,
+        anchor: Tree | None = None,
+        mu: float = 0.0,
+    ) -> Tree:
+        """params - lr (grads + mu (params - anchor)), see ``steps.descend``."""
+        if not self.in_place:
+            return descend(params, grads, lr, anchor, mu)
+        for k, g in grads.items():
+            p = params[k]
+            if anchor is not None and mu:  # as steps.descend; lerp_ has no vmap batching rule
+                p.mul_(1.0 - lr * mu).add_(anchor[k], alpha=lr * mu)
+            if isinstance(lr, torch.Tensor):
+                p.sub_(lr * g)
+            else:
+                p.add_(g, alpha=-lr)
+        return params
+
+
+class AutogradOps(Steps):
     """One client: ``torch.autograd.grad`` on fresh leaves. Cheaper per call than torch.func
     for small models (benchmarks/README.md, Design measurements). Inside an outer
     differentiation (inputs already require grad, as in
@@ -50,20 +80,8 @@ class AutogradOps:
         grads, v = self.value_and_grad(value, params, *args)
         return grads, v, _detached(held[0])
 
-    def descend(
-        self,
-        params: Tree,
-        grads: Tree,
-        lr: float | torch.Tensor,
-        anchor: Tree | None = None,
-        mu: float = 0.0,
-    ) -> Tree:
-        """``steps.descend``, out of place: one client's carry may share tensors with the
-        round's message (FedAvg starts from the global model)."""
-        return descend(params, grads, lr, anchor, mu)
 
-
-class FuncOps:
+class FuncOps(Steps):
     """Many clients under ``vmap``: ``torch.func.grad_and_value`` (composable with vmap and
     with itself). With ``in_place`` (the vmap backend's choice when it owns the stacked carry
     and every client of the call takes the step, so nothing has to be masked), ``descend``
@@ -83,26 +101,6 @@ class FuncOps:
     ) -> tuple[Tree, torch.Tensor, Any]:
         grads, (value, aux) = grad_and_value(f, has_aux=True)(params, *args)
         return grads, value, aux
-
-    def descend(
-        self,
-        params: Tree,
-        grads: Tree,
-        lr: float | torch.Tensor,
-        anchor: Tree | None = None,
-        mu: float = 0.0,
-    ) -> Tree:
-        if not self.in_place:
-            return descend(params, grads, lr, anchor, mu)
-        for k, g in grads.items():
-            p = params[k]
-            if anchor is not None and mu:  # as steps.descend; lerp_ has no vmap batching rule
-                p.mul_(1.0 - lr * mu).add_(anchor[k], alpha=lr * mu)
-            if isinstance(lr, torch.Tensor):
-                p.sub_(lr * g)
-            else:
-                p.add_(g, alpha=-lr)
-        return params
 
 
 def _detached(obj: Any) -> Any:
