@@ -177,12 +177,13 @@ class ClientLevelDP:
 
     # -- accounting -----------------------------------------------------------------------
     def privacy_spent(self) -> dict[str, Any]:
-        """Epsilon after the rounds so far (one subsampled Gaussian step per round), and the
-        current bound."""
+        """Epsilon after the rounds so far (one subsampled Gaussian step per round; null, as
+        JSON has no infinity, when no noise is added), and the current bound."""
         cfg = self.config
         history = [(self.noise_multiplier, self.sample_rate, self.round)]
+        spent = epsilon(history, cfg.delta, cfg.accountant)
         return {
-            "epsilon": epsilon(history, cfg.delta, cfg.accountant),
+            "epsilon": spent if math.isfinite(spent) else None,
             "delta": cfg.delta,
             "clip": self.clip,
         }
