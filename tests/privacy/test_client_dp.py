@@ -193,21 +193,30 @@ def test_the_updates_share_of_the_noise_follows_theorem_1():
         update_noise_multiplier(2.0, 1.0)  # sigma_b must exceed z / 2
 
 
-def test_adaptive_clip_settles_near_the_target_quantile():
+def test_adaptive_clip_settles_near_the_target_quantile(monkeypatch):
+    """Target 0.5, no noise, a first bound every update exceeds: over the last 20 of 40 rounds
+    about half the updates are within the bound (measured 0.43-0.53 for seeds 3-7)."""
     config = dp_config(
-        {"noise_multiplier": 0.0, "clip": 0.01, "adaptive_clip": {"count_noise": 0.0}},
+        {"noise_multiplier": 0.0, "clip": 0.05, "adaptive_clip": {"count_noise": 0.0, "lr": 0.5}},
         rounds=40,
         clients_per_round=8,
     )
     cfg = parse_config(config)
     data = load_dataset(cfg.data, cfg.seed)
     engine = Engine(cfg, data, build_model("mlp", data.input_shape, data.num_outputs))
-    result = engine.run()
-    clips = [row["privacy"]["clip"] for row in result.history]
-    assert clips[-1] > 5 * clips[0]  # grew from a bound every update exceeded
-    assert engine.privacy is not None
-    within = engine.privacy._within  # the last round's updates within the bound
-    assert 0.1 <= sum(within) / len(within) <= 0.9
+    dp = engine.privacy
+    assert dp is not None
+    fractions: list[float] = []
+    adapt = ClientLevelDP._adapt_clip
+
+    def recorded(self: ClientLevelDP) -> None:  # the fraction each round's step sees
+        fractions.append(sum(self._within) / len(self._within))
+        adapt(self)
+
+    monkeypatch.setattr(ClientLevelDP, "_adapt_clip", recorded)
+    engine.run()
+    assert fractions[0] == 0.0 and dp.clip > 3 * 0.05  # grew from a bound everyone exceeded
+    assert 0.35 <= sum(fractions[-20:]) / 20 <= 0.65
 
 
 def test_a_run_with_adaptive_clipping_resumes_bit_for_bit(tmp_path):

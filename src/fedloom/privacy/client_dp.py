@@ -53,10 +53,14 @@ def update_norm(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.T
 
 
 def clip_update(
-    params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], bound: float
+    params: Mapping[str, torch.Tensor],
+    anchor: Mapping[str, torch.Tensor],
+    bound: float,
+    norm: float | None = None,
 ) -> Tree:
-    """anchor + (params - anchor) min(1, bound / ||params - anchor||)."""
-    norm = update_norm(params, anchor)
+    """anchor + (params - anchor) min(1, bound / ||params - anchor||) (``norm``: that norm,
+    when the caller has it already)."""
+    norm = update_norm(params, anchor) if norm is None else norm
     factor = 1.0 if norm <= bound else bound / norm
     return {k: anchor[k] + (params[k] - anchor[k]) * factor for k in anchor}
 
@@ -123,8 +127,9 @@ class ClientLevelDP:
         whether it was within C_t (adaptive clipping's count)."""
         assert self.anchor is not None, "start_round first"
         params = upload["params"]
-        self._within.append(update_norm(params, self.anchor) <= self.clip)
-        return {**upload, "params": clip_update(params, self.anchor, self.clip)}
+        norm = update_norm(params, self.anchor)
+        self._within.append(norm <= self.clip)
+        return {**upload, "params": clip_update(params, self.anchor, self.clip, norm)}
 
     def aggregate(
         self, trees: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
