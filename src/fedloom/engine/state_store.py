@@ -77,10 +77,11 @@ class ClientStateStore:
         return _unflatten(flat | {path: {} for path in self._empty})
 
     def get_many(self, clients: list[int]) -> list[State | None]:
-        """``get`` of each client. When the clients are a good part of the table (W3: all
-        1,000 every round) each table's rows come from one ``unbind``, not one indexing call per
-        client and table; a few clients of many (10 of 10,000) are indexed one by one."""
-        if 4 * len(clients) < self.num_clients:
+        """``get`` of each client. When the clients are most of the table (W3: all 1,000 every
+        round) each table's rows come from one ``unbind``, else from one indexing call per client
+        and table. Measured on 7,850-float rows: 1,000 of 1,000 rows 0.37 ms by unbind against
+        1.02 ms indexed; 5,000 of 10,000 3.9 ms against 2.8 ms; the two meet near two thirds."""
+        if 3 * len(clients) < 2 * self.num_clients:
             return [self.get(c) for c in clients]
         rows = {path: table.unbind(0) for path, table in self.tables.items()}
         empty = {path: {} for path in self._empty}
