@@ -135,6 +135,13 @@ class TrainConfig(StrictModel):
     """A client whose loss, upload or state is not finite (diverged): error: stop the run naming
     the client, the round and what to lower; drop: leave it out of that round's aggregation
     (its personalized state keeps its previous value) and count it (``dropped_nonfinite``)."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Fraction of each round's sampled clients that vanish mid-round (engine/dropout.py):
+    floor(dropout x sampled) of them, each at a stage drawn uniformly from secure
+    aggregation's three (after advertising keys, after sharing them, after sending its masked
+    input). The first two never upload; the last has uploaded and is summed. The same
+    clients drop at the same stages under every ``secure_aggregation.kind``, so runs show
+    what each protocol survives (docs/secure_aggregation.md)."""
 
     @model_validator(mode="after")
     def _one_budget(self) -> TrainConfig:
@@ -268,10 +275,16 @@ class AdaptiveClipConfig(StrictModel):
 
 
 class PrivacyConfig(StrictModel):
-    """Differential privacy (docs/privacy.md). ``client_dp``: DP-FedAvg (McMahan et al. 2018):
-    each client's model update clipped to L2 norm ``clip``, Gaussian noise of std
-    ``noise_multiplier * clip`` on their sum, divided by the expected number of clients per
-    round; accounted with Opacus as ``rounds`` steps of the subsampled Gaussian mechanism."""
+    """Differential privacy (docs/privacy.md).
+
+    - ``client_dp``: DP-FedAvg (McMahan et al. 2018): each client's model update clipped to L2
+      norm ``clip``, Gaussian noise of std ``noise_multiplier * clip`` on their sum, divided by
+      the expected number of clients per round; accounted with Opacus as ``rounds`` steps of
+      the subsampled Gaussian mechanism.
+    - ``sample_dp``: DP-SGD inside every client (Abadi et al. 2016, Opacus's semantics):
+      Poisson minibatches of expected size ``train.batch_size``, each per-sample gradient
+      clipped to L2 norm ``clip``, Gaussian noise of std ``noise_multiplier * clip`` on their
+      sum; each client's steps accounted with Opacus, the largest epsilon reported."""
 
     kind: Literal["none", "client_dp", "sample_dp"] = "none"
     noise_multiplier: float | None = Field(default=None, ge=0.0)
@@ -279,26 +292,83 @@ class PrivacyConfig(StrictModel):
     """Instead of ``noise_multiplier``: the smallest noise that keeps epsilon at the last round
     within this (Opacus's ``get_noise_multiplier``)."""
     clip: float = Field(default=1.0, gt=0.0)
-    """The bound S on each client's update (with ``adaptive_clip``: its first value)."""
+    """client_dp: the bound S on each client's update (with ``adaptive_clip``: its first
+    value); sample_dp: the bound C on each per-sample gradient."""
     adaptive_clip: AdaptiveClipConfig | None = None
+    """client_dp only."""
     delta: float = Field(default=1e-5, gt=0.0, lt=1.0)
     accountant: Literal["rdp", "prv"] = "rdp"
     sampling: Literal["poisson", "fixed"] = "poisson"
-    """How the clients of a round are drawn: each training client independently with
-    probability q = train.clients_per_round / clients (what the accountant assumes), or
+    """client_dp: how the clients of a round are drawn: each training client independently
+    with probability q = train.clients_per_round / clients (what the accountant assumes), or
     exactly train.clients_per_round of them (the accountant's q = m / N is then the usual
-    approximation)."""
+    approximation). sample_dp always draws Poisson minibatches and leaves client sampling as
+    train sets it."""
 
     @model_validator(mode="after")
     def _complete(self) -> PrivacyConfig:
         if self.kind == "none":
             return self
-        if self.kind == "sample_dp":
-            raise ValueError(
-                "kind sample_dp (DP-SGD inside clients) is not built yet; client_dp is"
-            )
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("set exactly one of noise_multiplier and target_epsilon")
+        if self.kind == "sample_dp" and self.adaptive_clip is not None:
+            raise ValueError("adaptive_clip applies to kind client_dp only")
+        return self
+
+
+class SecureAggregationConfig(StrictModel):
+    """Secure aggregation (docs/secure_aggregation.md): the server learns the weighted sum of
+    the clients' model updates and nothing else. Each client sends [w_k Delta_k, w_k], w_k its
+    sample count over the round's largest, every coordinate clipped to [-clip, clip].
+
+    - ``secagg``: SecAgg (Bonawitz et al. 2017), pairwise masks between all clients;
+    - ``secagg_plus``: SecAgg+ (Bell et al. 2020), masks between ``neighbours`` per client;
+    - ``paillier``: Paillier encryption, slot-packed, decrypted by a key authority;
+    - ``ckks``: TenSEAL's CKKS, approximate."""
+
+    kind: Literal["none", "secagg", "secagg_plus", "paillier", "ckks"] = "none"
+    clip: float = Field(default=8.0, gt=0.0)
+    """Every coordinate of a client's weighted update is clipped to [-clip, clip] before it is
+    encoded (SecAgg's quantization range, Paillier's fixed-point offset)."""
+    bits: int = Field(default=22, ge=2, le=31)
+    """secagg, secagg_plus: quantization bits b (the sum of max_clients values fits Z_2^32)."""
+    max_clients: int = Field(default=1000, ge=2)
+    """secagg, secagg_plus: the most clients a round may hold (max_clients (2^b - 1) < 2^32);
+    paillier: sizes the packing slots."""
+    threshold: int | None = Field(default=None, ge=2)
+    """secagg, secagg_plus: the clients (SecAgg+: the neighbours) that must survive for the
+    round to finish (null: a strict majority)."""
+    neighbours: int | None = Field(default=None, ge=2)
+    """secagg_plus: each client's neighbours k, even (null: the smallest even >= 3 log2 n)."""
+    key_bits: int = Field(default=2048, ge=512)
+    """paillier: modulus bits (1024 for tests only, 2048 about 112-bit security, 3072
+    128-bit)."""
+    frac_bits: int = Field(default=16, ge=1, le=52)
+    """paillier: fixed-point fractional bits f (resolution 2^-f)."""
+    min_contributors: int = Field(default=2, ge=1)
+    """paillier, ckks: the key authority decrypts no aggregate of fewer clients."""
+
+    @model_validator(mode="after")
+    def _keys_of_kind(self) -> SecureAggregationConfig:
+        own = {
+            "bits": {"secagg", "secagg_plus"},
+            "max_clients": {"secagg", "secagg_plus", "paillier"},
+            "threshold": {"secagg", "secagg_plus"},
+            "neighbours": {"secagg_plus"},
+            "key_bits": {"paillier"},
+            "frac_bits": {"paillier"},
+            "min_contributors": {"paillier", "ckks"},
+        }
+        fields = type(self).model_fields
+        for key, kinds in own.items():  # a value other than the default, for another kind
+            if self.kind not in kinds and getattr(self, key) != fields[key].default:
+                raise ValueError(
+                    f"{key} applies to kind {' or '.join(sorted(kinds))}, not {self.kind}"
+                )
+        if self.neighbours is not None and self.neighbours % 2:
+            raise ValueError(
+                f"neighbours must be even (a k-regular Harary graph), got {self.neighbours}"
+            )
         return self
 
 
@@ -376,6 +446,7 @@ class RunConfig(StrictModel):
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    secure_aggregation: SecureAggregationConfig = Field(default_factory=SecureAggregationConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
@@ -399,7 +470,18 @@ class RunConfig(StrictModel):
     @model_validator(mode="after")
     def _privacy_applies(self) -> RunConfig:
         """client_dp needs a server step that averages client models (the FedAvg family) and
-        a number of clients per round (the sampling rate)."""
+        a number of clients per round (the sampling rate); sample_dp an algorithm whose
+        clients run DP-SGD's steps (``Algorithm.supports_sample_dp``)."""
+        if self.privacy.kind == "sample_dp":
+            algorithm = ALGORITHMS.get(self.algorithm.name)
+            if not algorithm.supports_sample_dp:
+                able = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).supports_sample_dp]
+                raise ConfigError(
+                    f"privacy.kind: sample_dp needs an algorithm whose clients run plain local "
+                    f"SGD steps (DP-SGD replaces their gradient); {self.algorithm.name} has "
+                    f"local work of its own. Supported: {', '.join(able)}"
+                )
+            return self
         if self.privacy.kind != "client_dp":
             return self
         algorithm = ALGORITHMS.get(self.algorithm.name)
@@ -424,6 +506,22 @@ class RunConfig(StrictModel):
                     f"clients_per_round / 20) is too small for noise_multiplier {z:g}: it must "
                     "exceed noise_multiplier / 2 (Andrew et al. 2021, Theorem 1)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _secure_aggregation_applies(self) -> RunConfig:
+        """Secure aggregation sums the clients' model updates: the server step must be a
+        model average; and with client-level DP the sum is of the clipped updates."""
+        kind = self.secure_aggregation.kind
+        if kind == "none":
+            return self
+        algorithm = ALGORITHMS.get(self.algorithm.name)
+        if not (algorithm.averages_client_models and algorithm.communicates):
+            raise ConfigError(
+                f"secure_aggregation.kind: {kind} needs an algorithm whose server averages the "
+                f"clients' models (fedavg, fedprox, fedopt's family, ...); "
+                f"{self.algorithm.name} does not"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -156,13 +156,6 @@ def test_settings_it_cannot_honour_are_config_errors(privacy, algorithm, train, 
         parse_config(dp_config(privacy, algorithm, **train))
 
 
-def test_sample_level_dp_is_refused_until_it_exists():
-    config = dp_config({"noise_multiplier": 1.0})
-    config["privacy"]["kind"] = "sample_dp"
-    with pytest.raises(ConfigError, match=r"sample_dp .* is not built yet"):
-        parse_config(config)
-
-
 def test_models_with_buffers_are_refused():
     config = dp_config({"noise_multiplier": 1.0})
     config["model"] = {"name": "cnn_bn"}

@@ -110,6 +110,27 @@ def test_privacy_panel_only_when_a_mechanism_reports_epsilon(tmp_path):
     assert 'id="fig-privacy"' in html
 
 
+def test_secure_aggregation_panel_and_aborted_rounds_alert(tmp_path):
+    rows = make_rows(4)
+    assert "secure_aggregation_aborted" not in alerts_of(tmp_path / "plain", rows)
+    for i, row in enumerate(rows):
+        row["secure_aggregation"] = {
+            "kind": "secagg_plus",
+            "rounds_completed": 5 * (i + 1) - (i >= 2),
+            "rounds_aborted": int(i >= 2),
+            "bytes_up": 1e6 * (i + 1),
+            "bytes_down": 1e5 * (i + 1),
+        }
+    assert alerts_of(tmp_path / "a", rows)["secure_aggregation_aborted"] == [15.0]
+    html = write_report(make_run_dir(tmp_path / "sa", rows)).read_text()
+    assert 'id="fig-secure_aggregation"' in html
+    assert "secure_aggregation_aborted" in html
+    assert (
+        'id="secure_aggregation"'
+        not in write_report(make_run_dir(tmp_path / "none", make_rows(3))).read_text()
+    )
+
+
 def test_a_diverging_client_update_norm(tmp_path):
     """One client's own update norm grows 20x (the median does not move): fires at that
     evaluation, naming it; a NaN norm fires too; the threshold is monitor.alerts'."""

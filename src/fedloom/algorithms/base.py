@@ -22,6 +22,7 @@ from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
+from fedloom.solvers.dpsgd import DPSGD, private_grad
 from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
 from fedloom.solvers.sequential import run_client
 
@@ -53,6 +54,9 @@ class AlgorithmContext:
     population: dict[int, int] = field(default_factory=dict)
     """Training samples of every training client (held-out new clients excluded): the
     weights of the global objective sum_k p_k F_k."""
+    sample_dp: DPSGD | None = None
+    """DP-SGD's settings when ``privacy.kind`` is ``sample_dp``: the local steps of programs
+    that support it (``SGDProgram.private_step``) clip per-sample gradients and add noise."""
 
     def objective_weight(self, client_id: int, weighting: str) -> float:
         """p_k of client k in the global objective (algorithms/weights.py)."""
@@ -89,6 +93,13 @@ class Algorithm:
     the clients' parameters): client-level DP (privacy.kind client_dp) can clip each client's
     update and noise the average. Declared by FedAvg (and what inherits its server), the
     server optimizers of FedOpt and FedLC."""
+
+    supports_sample_dp: ClassVar[bool] = False
+    """Sample-level DP-SGD (privacy.kind sample_dp) covers everything the clients compute from
+    their data and upload: the client program is an :class:`SGDProgram` whose steps take the
+    data gradient through ``data_grad``, on the engine's round plan (one Poisson minibatch a
+    step). Declared by FedAvg (and its heirs that keep its program), FedProx, SCAFFOLD,
+    FedDyn, FedNova, the server optimizers, the partial-sharing family and local training."""
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         self.config = config
@@ -301,12 +312,43 @@ class SGDProgram(StepProgram):
 
     Both backends step through ``step``; :class:`PlainSGDProgram`, the program used as it is,
     runs on the lean flat-buffer trainer in the sequential backend. Subclass this one to change
-    the step (FedCR, the objective programs)."""
+    the step (FedCR, the objective programs).
+
+    With sample-level DP (``ctx.sample_dp``) grad F_k(w; B) is DP-SGD's noised mean of clipped
+    per-sample gradients (solvers/dpsgd.py) on a Poisson minibatch, its noise drawn per step
+    from the client's stream."""
+
+    private_step: ClassVar[bool] = True
+    """Whether ``step`` takes its data gradient through ``data_grad`` (so sample-level DP
+    applies); a subclass with a step of its own says False unless it does the same."""
 
     def __init__(self, algorithm: Algorithm) -> None:
         super().__init__(algorithm)
         self.momentum = algorithm.local_momentum()
         self.corrected = algorithm.has_correction()
+        self.private = algorithm.ctx.sample_dp if self.private_step else None
+        if self.private is not None:
+            shapes = [(k, p.shape) for k, p in self.model.module.named_parameters()]
+            self.updates = (
+                Update(self.STEP, (BATCHES,), self.step, self.private.noise_draw(shapes)),
+            )
+
+    def data_grad(self, ops: Ops, carry: Carry, batch: Batch) -> tuple[Tree, torch.Tensor]:
+        """grad F_k(w; B) and F_k(w; B) at the carry's ``params``: the minibatch's mean-loss
+        gradient, or DP-SGD's private estimate of it under sample-level DP (divided by the
+        client's expected batch size, ``carry['dp_batch']``)."""
+        params, buffers = carry["params"], carry["buffers"]
+        if self.private is not None:
+            return private_grad(self.model, params, buffers, batch, self.private, carry["dp_batch"])
+        return ops.value_and_grad(
+            self.model.weighted_loss, params, buffers, batch.x, batch.y, batch.w
+        )
+
+    def step_bytes(self, width: int) -> int:
+        if self.private is None:
+            return 0
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.module.parameters())
+        return self.private.step_bytes(param_bytes, width)
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         params, buffers = self.algorithm.local_start(message, state, task)
@@ -316,6 +358,8 @@ class SGDProgram(StepProgram):
             carry["velocity"] = {k: torch.zeros_like(v) for k, v in params.items()}
         if self.corrected and state is not None:
             carry["state"] = state
+        if self.private is not None:
+            carry["dp_batch"] = torch.tensor(self.private.expected_batch(task.data.num_train))
         return carry
 
     def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
@@ -325,10 +369,8 @@ class SGDProgram(StepProgram):
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
     ) -> tuple[Carry, dict]:
         (batch,) = batches
-        params, buffers = carry["params"], carry["buffers"]
-        grads, loss = ops.value_and_grad(
-            self.model.weighted_loss, params, buffers, batch.x, batch.y, batch.w
-        )
+        params = carry["params"]
+        grads, loss = self.data_grad(ops, carry, batch)
         if self.corrected:
             extra = self.algorithm.local_correction(params, shared["message"], carry.get("state"))
             if extra is not None:
@@ -392,4 +434,6 @@ class PlainSGDProgram(SGDProgram):
     def run_lean(
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult | None:
+        if self.private is not None:  # DP-SGD's per-sample steps: through ``step``
+            return None
         return self.lean_sgd(message, state, task)

@@ -19,6 +19,7 @@ class FedAvg(Algorithm):
     name = "fedavg"
     summary = "FedAvg: local SGD, sample-size weighted model averaging (McMahan et al., 2017)"
     averages_client_models = True
+    supports_sample_dp = True
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return self.aggregate_models(results)

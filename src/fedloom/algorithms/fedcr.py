@@ -233,6 +233,7 @@ class ClassStatistics:
 class FedCR(FedPer):
     name = "fedcr"
     summary = "FedCR: FedPer with a stochastic representation aligned class-wise across clients"
+    supports_sample_dp = False  # its own variational step
     Config = FedCRConfig
     classification_only = "class-wise statistics"
 
@@ -369,6 +370,8 @@ class FedCRProgram(SGDProgram):
     samples to the sums where first <= s < last and the sample is real (``batch.w`` > 0):
     tensor comparisons, no Python branch, so a chunk of clients with their own windows steps
     together under vmap. mu(x) = h(x) comes from ``forward_with_features``."""
+
+    private_step = False  # the variational objective (23), not DP-SGD's per-sample loss
 
     def __init__(self, algorithm: FedCR) -> None:
         super().__init__(algorithm)

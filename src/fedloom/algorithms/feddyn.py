@@ -45,6 +45,7 @@ class FedDynConfig(AlgorithmConfig):
 class FedDyn(Algorithm):
     name = "feddyn"
     summary = "FedDyn: dynamic regularization aligns local and global stationary points"
+    supports_sample_dp = True
     Config = FedDynConfig
 
     def init_server_state(self, params: Tree, buffers: Tree) -> State:

@@ -79,6 +79,7 @@ def normalizer(solver: str, steps: int, lr: float, rho: float, mu: float) -> flo
 class FedNova(Algorithm):
     name = "fednova"
     summary = "FedNova: normalized averaging of heterogeneous local progress (Wang et al., 2020)"
+    supports_sample_dp = True
     Config = FedNovaConfig
 
     def local_momentum(self) -> float:

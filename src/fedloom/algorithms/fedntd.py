@@ -92,6 +92,7 @@ def teacher_logits(
 class FedNTD(FedAvg):
     name = "fedntd"
     summary = "FedNTD: FedAvg with not-true-class distillation from the global model"
+    supports_sample_dp = False  # its own distillation objective
     Config = FedNTDConfig
     classification_only = "not-true classes"
 

@@ -87,6 +87,7 @@ class ServerOptimizer(Algorithm):
     """
 
     averages_client_models = True
+    supports_sample_dp = True
 
     slots: ClassVar[tuple[str, ...]] = ("m",)
 

@@ -77,6 +77,7 @@ class FedRepConfig(FedPerConfig):
 class FedRep(FedPer):
     name = "fedrep"
     summary = "FedRep: per round, train the personal head (body frozen), then the shared body"
+    supports_sample_dp = False  # its own head and body phases
     Config = FedRepConfig
 
     def head_phase_steps(self, task: ClientTask) -> int:

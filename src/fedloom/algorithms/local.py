@@ -12,6 +12,7 @@ from fedloom.solvers.local import LocalSolution
 class LocalOnly(Algorithm):
     name = "local"
     summary = "Local-only: each client trains its own model, no communication"
+    supports_sample_dp = True
     communicates = False
     has_global_model = False
 

@@ -58,6 +58,8 @@ class Forward:
 class ObjectiveProgram(SGDProgram):
     """Plain SGD steps (no momentum, no gradient correction) on :meth:`objective`."""
 
+    private_step = False  # its own objective, not DP-SGD's per-sample loss
+
     head: str | None = None
     """The model's head module whose input the objective sees as ``h`` (None: h is None)."""
 

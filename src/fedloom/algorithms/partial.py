@@ -74,6 +74,7 @@ class PartialSharing(Algorithm):
     """Base of the algorithms that federate only part of the model (see the module doc)."""
 
     has_global_model = False
+    supports_sample_dp = True
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

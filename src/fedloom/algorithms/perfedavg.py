@@ -178,6 +178,7 @@ HESSIAN = "perfedavg/hessian"
 class PerFedAvg(AdaptedDeployment, FedAvg):
     name = "perfedavg"
     summary = "Per-FedAvg: federated MAML, a global model meant for one-step adaptation"
+    supports_sample_dp = False  # its own meta-gradient steps
     Config = PerFedAvgConfig
 
     def adaptation_lr(self) -> float:

@@ -42,6 +42,7 @@ class ScaffoldConfig(AlgorithmConfig):
 class Scaffold(Algorithm):
     name = "scaffold"
     summary = "SCAFFOLD: control variates c, c_i correct client drift (Karimireddy et al., 2020)"
+    supports_sample_dp = True
     Config = ScaffoldConfig
 
     def init_server_state(self, params: Tree, buffers: Tree) -> State:

@@ -197,6 +197,18 @@ class PrivacyAccounting(Callback):
                 return
 
 
+class SecureAggregationLog(Callback):
+    """Secure aggregation's counters on the evaluated rounds' rows (``secure_aggregation``):
+    rounds completed and aborted, protocol bytes, the latest round."""
+
+    def __init__(self, secure: Any) -> None:
+        self.secure = secure
+
+    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+        if report.evaluate:
+            report.metrics["secure_aggregation"] = self.secure.progress()
+
+
 class MetricsLog(Callback):
     """The evaluated rounds' rows: into the history, metrics.jsonl, the trackers (TensorBoard,
     MLflow) and the progress bar."""

@@ -4,6 +4,7 @@ metrics, checkpoints. Algorithms never re-implement any of it (DESIGN.md 2.2).""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,11 +13,11 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms import Algorithm, AlgorithmContext, ClientTask, build_algorithm
+from fedloom.algorithms import ALGORITHMS, Algorithm, AlgorithmContext, ClientTask, build_algorithm
 from fedloom.config import RunConfig, check_client_counts
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import Message
+from fedloom.core.protocol import ClientResult, Message
 from fedloom.data.federated import FederatedData
 from fedloom.engine.callbacks import (
     Callback,
@@ -26,19 +27,25 @@ from fedloom.engine.callbacks import (
     HealthMonitor,
     MetricsLog,
     PrivacyAccounting,
+    SecureAggregationLog,
 )
+from fedloom.engine.dropout import dropouts, uploads
 from fedloom.engine.factory import make_executor
 from fedloom.engine.nonfinite import screen
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.sampling import TrainingClients
+from fedloom.engine.sampling import POOLED_CLIENT, TrainingClients
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
-from fedloom.engine.workload import full_budget, straggler_steps
+from fedloom.engine.workload import full_budget, most_steps, straggler_steps
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models.base import FedModel
-from fedloom.privacy import ClientLevelDP
+from fedloom.privacy import ClientLevelDP, SampleLevelDP
+from fedloom.secure.aggregation import SecureAggregation, build_protocol
+from fedloom.secure.base import DropStage, SecureAggregationAbort
 from fedloom.solvers.local import PlanMaker
+
+log = logging.getLogger(__name__)
 
 UploadTransform = Callable[[Message, int, int], Message]
 """(upload, client_id, round) -> upload: clipping, noise, masking, encryption plug in here."""
@@ -87,9 +94,16 @@ class Engine:
         self.train_ids = list(range(data.num_clients - new))
         self.new_ids = list(range(data.num_clients - new, data.num_clients))
         self.privacy = self._privacy(len(self.train_ids))
-        if self.privacy is not None:
+        if isinstance(self.privacy, ClientLevelDP):
             aggregator = self.privacy.aggregate
             self.upload_transforms.insert(0, self.privacy.clip_upload)
+        sample_dp = self.privacy if isinstance(self.privacy, SampleLevelDP) else None
+        self.secure = self._secure_aggregation()
+        if self.secure is not None:
+            if isinstance(self.privacy, ClientLevelDP):  # the DP sum of clipped updates
+                self.privacy.update_sum = self.secure.sum_updates
+            else:
+                aggregator = self.secure.aggregate
         ctx = AlgorithmContext(
             model=self.model,
             seed=config.seed,
@@ -97,23 +111,32 @@ class Engine:
             lr=train.lr,
             batch_size=train.batch_size,
             aggregate=aggregator,
-            make_plan=PlanMaker(config.seed, train.batch_size),
+            make_plan=PlanMaker(config.seed, train.batch_size, poisson=sample_dp is not None),
             rounds=train.rounds,
             population={c: data.clients[c].num_train for c in self.train_ids},
+            sample_dp=sample_dp.dpsgd if sample_dp is not None else None,
         )
         self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
+        program = self.algorithm.client_program()
+        if sample_dp is not None and getattr(program, "private", None) is None:
+            raise ConfigError(  # declared, but its program has a step of its own
+                f"privacy.kind: sample_dp: {self.algorithm.name}'s client program does not take "
+                "DP-SGD steps"
+            )
         self.training = TrainingClients.view(
             data,
             self.train_ids,
             train.clients_per_round,
             self.algorithm.pooled,
-            poisson=self.privacy is not None and config.privacy.sampling == "poisson",
+            poisson=isinstance(self.privacy, ClientLevelDP)
+            and config.privacy.sampling == "poisson",
         )
         self.evaluation = Evaluation()
         self.callbacks: list[Callback] = [
             self.evaluation,
             *([HealthMonitor()] if config.monitor.enabled else []),
             PrivacyAccounting([self.privacy, *self.upload_transforms]),
+            *([SecureAggregationLog(self.secure)] if self.secure is not None else []),
             *(callbacks or []),
             MetricsLog(progress),
             Checkpointing(),
@@ -160,19 +183,45 @@ class Engine:
             self.executor.choice = state.executor_choice  # resume on the same executor
         if self.privacy is not None and state.privacy:
             self.privacy.load_state_dict(state.privacy)
+        if self.secure is not None and state.secure:
+            self.secure.load_state_dict(state.secure)
         return state
 
-    def _privacy(self, num_train: int) -> ClientLevelDP | None:
-        """The run's differential-privacy mechanism (``privacy``), or None."""
-        cfg = self.config
-        if cfg.privacy.kind == "none":
+    def _secure_aggregation(self) -> SecureAggregation | None:
+        """The run's secure aggregation (``secure_aggregation``), or None."""
+        cfg = self.config.secure_aggregation
+        if cfg.kind == "none":
             return None
         buffers = [n for n, _ in self.model.module.named_buffers()]
         if buffers:
             raise ConfigError(
-                f"privacy.kind: client_dp cannot release the model's buffers ({', '.join(buffers)})"
+                f"secure_aggregation.kind: {cfg.kind} sums one vector of parameters per client "
+                f"and round; the model's buffers ({', '.join(buffers)}) would need a second sum:"
+                " use a model without normalization statistics"
+            )
+        per_round = self.config.train.clients_per_round or len(self.train_ids)
+        protocol = build_protocol(cfg, self.config.seed, max(2, per_round * 2))
+        return SecureAggregation(cfg, protocol)
+
+    def _privacy(self, num_train: int) -> ClientLevelDP | SampleLevelDP | None:
+        """The run's differential-privacy mechanism (``privacy``), or None."""
+        cfg = self.config
+        kind = cfg.privacy.kind
+        if kind == "none":
+            return None
+        buffers = [n for n, _ in self.model.module.named_buffers()]
+        if buffers:
+            raise ConfigError(
+                f"privacy.kind: {kind} cannot release the model's buffers ({', '.join(buffers)})"
                 " without noise: use a model without normalization statistics"
             )
+        if kind == "sample_dp":
+            train = cfg.train
+            population = {c: self.data.clients[c].num_train for c in self.train_ids}
+            if ALGORITHMS.get(cfg.algorithm.name).pooled:  # one virtual client of all data
+                population = {POOLED_CLIENT: sum(population.values())}
+            most = {c: most_steps(train, c, n) * train.rounds for c, n in population.items()}
+            return SampleLevelDP(cfg.privacy, population, train.batch_size, most)
         assert cfg.train.clients_per_round is not None  # checked when parsed
         return ClientLevelDP(
             cfg.privacy, cfg.seed, num_train, cfg.train.clients_per_round, cfg.train.rounds
@@ -225,12 +274,16 @@ class Engine:
         uploads; ``state`` moves to the end of the round."""
         cfg, algorithm, tick = self.config, self.algorithm, time.perf_counter()
         clients = self.training.sample(cfg.seed, round)
+        drops = dropouts(cfg.seed, round, clients, cfg.train.dropout)
         new = [c for c in clients if c not in state.clients]
         state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
         message = algorithm.server_message(state.server, round)
         if self.privacy is not None:
             self.privacy.start_round(round, message)
-        tasks = self.tasks_for_round(round, clients)
+        # clients that vanish before uploading do no work (engine/dropout.py)
+        tasks = self.tasks_for_round(round, [c for c in clients if uploads(drops.get(c))])
+        if isinstance(self.privacy, SampleLevelDP):  # each client's data, once per step
+            self.privacy.record({t.client_id: len(t.plan) for t in tasks})
         results = self.executor.run_round(
             algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
         )
@@ -249,15 +302,44 @@ class Engine:
         ]
         state.clients.set_many([c for c, _ in kept], [s for _, s in kept])
         down = algorithm.download_bytes(message, clients) if algorithm.communicates else 0
-        state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         if results:  # every sampled client dropped out: the server keeps its state
-            state.server = algorithm.aggregate(state.server, results)
+            up, down = self._aggregate(round, state, message, results, drops, up, down)
+        state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         if self.privacy is not None:
             state.privacy = self.privacy.state_dict()
+        if self.secure is not None:
+            state.secure = self.secure.state_dict()
         state.round = round
         evaluate = round % cfg.eval.every == 0 or round == cfg.train.rounds
         seconds = time.perf_counter() - tick
         return RoundReport(round, clients, message, tasks, results, up, down, seconds, evaluate)
+
+    def _aggregate(
+        self,
+        round: int,
+        state: RunState,
+        message: Message,
+        results: list[ClientResult],
+        drops: dict[int, DropStage],
+        up: int,
+        down: int,
+    ) -> tuple[int, int]:
+        """The server step on ``results``; with secure aggregation through its protocol, whose
+        bytes replace the uploads' (returned: the round's bytes up and down). A protocol round
+        that aborts (too few survivors) leaves the server's state as it was."""
+        secure = self.secure
+        if secure is None:
+            state.server = self.algorithm.aggregate(state.server, results)
+            return up, down
+        secure.begin(round, message, [r.client_id for r in results], drops)
+        try:
+            state.server = self.algorithm.aggregate(state.server, results)
+        except SecureAggregationAbort as err:
+            log.warning(
+                "round %d: secure aggregation aborted, the model is unchanged: %s", round, err
+            )
+            return up, down
+        return secure.last["bytes_up"], down + secure.last["bytes_down"]
 
     def summary(self, state: RunState) -> dict[str, Any]:
         """summary.json (DESIGN.md 3.5) from the state at the end of the run; the callbacks
@@ -289,6 +371,8 @@ class Engine:
             summary["final"]["new_clients"] = last["new_clients"]
         if self.privacy is not None:
             summary["privacy"] = self.privacy.summary()
+        if self.secure is not None:
+            summary["secure_aggregation"] = self.secure.summary()
         accuracy = last.get("client_accuracy")
         if accuracy and len(accuracy) == len(self.train_ids):
             # each client's deployed (personalized) model on its own held-out data

@@ -29,7 +29,10 @@ class RunState:
     executor_choice: str | None = None
     """``auto``'s choice, so that a resumed run continues on the same executor."""
     privacy: dict[str, Any] = field(default_factory=dict)
-    """The privacy mechanism's own state (adaptive clipping's current bound)."""
+    """The privacy mechanism's own state (adaptive clipping's current bound, DP-SGD's steps
+    per client)."""
+    secure: dict[str, Any] = field(default_factory=dict)
+    """Secure aggregation's counters (rounds completed and aborted, bytes)."""
 
     def checkpoint(self) -> dict[str, Any]:
         return {
@@ -43,6 +46,7 @@ class RunState:
             "dropped_nonfinite": self.dropped_nonfinite,
             "executor_choice": self.executor_choice,
             "privacy": self.privacy,
+            "secure": self.secure,
         }
 
     @classmethod
@@ -59,6 +63,7 @@ class RunState:
             dropped_nonfinite=saved.get("dropped_nonfinite", 0),
             executor_choice=saved.get("executor_choice"),
             privacy=saved.get("privacy") or {},
+            secure=saved.get("secure") or {},
         )
 
 

@@ -116,6 +116,7 @@ class VectorizedExecutor:
         )
         widest = max(len(u.plans) for u in program.updates)  # minibatches live in one update
         carry_bytes = tree_bytes(program.init(message, states[0], tasks[0]))  # one client's
+        carry_bytes += program.step_bytes(max_batch)
         size = self.chunk_size(tasks, max_batch * widest, carry_bytes)
         self.last_chunk_size = size
         # Most local steps first: chunks hold clients of similar budgets (little padding), and

@@ -51,6 +51,27 @@ def full_budget(train: TrainConfig, seed: int, round: int, client: int, n: int) 
     return epochs * steps_per_epoch(n, train.batch_size)
 
 
+def most_work(spec: int | WorkDistribution, client: int) -> int:
+    """The largest number of epochs or steps ``spec`` can give ``client`` in a round."""
+    if isinstance(spec, int):
+        return spec
+    if spec.kind == "uniform":
+        assert spec.high is not None
+        return spec.high
+    assert spec.values is not None
+    if spec.kind == "per_client" and 0 <= client < len(spec.values):
+        return spec.values[client]
+    return max(spec.values)
+
+
+def most_steps(train: TrainConfig, client: int, n: int) -> int:
+    """An upper bound on the local steps ``client`` (holding ``n`` samples) takes in a round
+    (stragglers only take fewer): what sample-level DP calibrates its noise for."""
+    if train.local_steps is not None:
+        return most_work(train.local_steps, client)
+    return most_work(train.local_epochs or 1, client) * steps_per_epoch(n, train.batch_size)
+
+
 def straggler_steps(
     seed: int,
     round: int,

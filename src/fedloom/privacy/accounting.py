@@ -56,3 +56,52 @@ def noise_multiplier_for(
             accountant=accountant,
         )
     )
+
+
+Exposure = tuple[float, int]
+"""(sample_rate, steps) of one client's data under sample-level DP."""
+
+
+def frontier(exposures: Sequence[Exposure]) -> list[Exposure]:
+    """The exposures no other one dominates (another with a sample rate and a step count both
+    at least as large spends at least as much privacy): the only ones whose epsilon can be the
+    largest."""
+    out: list[Exposure] = []
+    for q, t in sorted(set(exposures), key=lambda e: (-e[0], -e[1])):
+        if t > 0 and (not out or t > out[-1][1]):
+            out.append((q, t))
+    return out
+
+
+def worst_epsilon(
+    noise_multiplier: float, exposures: Sequence[Exposure], delta: float, accountant: str = "rdp"
+) -> tuple[float, Exposure | None]:
+    """The largest epsilon among the exposures (each its own accountant history of one
+    phase), and the exposure that reaches it (None when no data was touched)."""
+    worst, at = 0.0, None
+    for q, t in frontier(exposures):
+        eps = epsilon([(noise_multiplier, q, t)], delta, accountant)
+        if at is None or eps > worst:
+            worst, at = eps, (q, t)
+    return worst, at
+
+
+def noise_multiplier_for_all(
+    target_epsilon: float, delta: float, exposures: Sequence[Exposure], accountant: str = "rdp"
+) -> float:
+    """The smallest noise multiplier (to Opacus's 0.01 bisection) that keeps every exposure
+    within ``target_epsilon``: each exposure's own calibration, the largest of them. The
+    binding exposure is found first (the worst at a first guess) and the others checked
+    against it, so most runs calibrate once."""
+    points = frontier(exposures)
+    if not points:
+        raise ConfigError("privacy.target_epsilon: no client takes a step, nothing to calibrate")
+    q, t = max(points, key=lambda e: epsilon([(1.0, e[0], e[1])], delta, accountant))
+    sigma = noise_multiplier_for(target_epsilon, delta, q, t, accountant)
+    done = {(q, t)}
+    while True:
+        eps, at = worst_epsilon(sigma, points, delta, accountant)
+        if eps <= target_epsilon or at is None or at in done:
+            return sigma
+        done.add(at)
+        sigma = max(sigma, noise_multiplier_for(target_epsilon, delta, at[0], at[1], accountant))

@@ -31,7 +31,7 @@ released without noise.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,20 @@ from fedloom.errors import ConfigError
 from fedloom.privacy.accounting import epsilon, noise_multiplier_for
 
 Tree = dict[str, torch.Tensor]
+
+UpdateSum = Callable[[Sequence[Mapping[str, torch.Tensor]], Tree], Tree]
+"""(clipped client models, anchor) -> sum_k (model_k - anchor) per key, float64."""
+
+
+def sum_updates(trees: Sequence[Mapping[str, torch.Tensor]], anchor: Tree) -> Tree:
+    """sum_k (tree_k - anchor) per key, in float64, in the clear."""
+    out: Tree = {}
+    for key, base in anchor.items():
+        total = torch.zeros(base.shape, dtype=torch.float64)
+        for tree in trees:
+            total += tree[key].double() - base.double()
+        out[key] = total
+    return out
 
 
 def update_norm(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor]) -> float:
@@ -112,6 +126,9 @@ class ClientLevelDP:
             )
         self.round = 0
         self.anchor: Tree | None = None
+        self.update_sum: UpdateSum | None = None
+        """How sum_k Delta_k is computed (None: in the clear; secure aggregation's
+        ``sum_updates`` when the run has it: the server then sees only the sum)."""
         self._released = -1
         self._within: list[bool] = []
 
@@ -149,16 +166,15 @@ class ClientLevelDP:
                 "each release needs its own accounting"
             )
         self._released = self.round
+        totals = (self.update_sum or sum_updates)(trees, anchor)
         gen = generator(self.seed, "dp/noise", self.round)
         std = self.update_multiplier * self.clip
         out: Tree = {}
         for key in sorted(anchor):
             base = anchor[key]
-            total = torch.zeros(base.shape, dtype=torch.float64)
-            for tree in trees:
-                total += tree[key].double() - base.double()
+            total = totals[key].double()
             if std > 0:
-                total += std * torch.randn(base.shape, generator=gen, dtype=torch.float64)
+                total = total + std * torch.randn(base.shape, generator=gen, dtype=torch.float64)
             out[key] = (base.double() + total / self.expected_clients).to(base.dtype)
         self._adapt_clip()
         return {k: out[k] for k in anchor}

@@ -14,6 +14,7 @@ files: each alert names its rule, the round it fired and what was seen.
 | communication_budget | cumulative bytes up + down exceed ``communication_budget_mb`` (通信量超预算) |
 | cold_start_slow | new clients do not reach ``cold_start_target`` x the trained clients' mean accuracy within ``cold_start_steps`` adaptation steps (冷启动 > 20 步) |
 | privacy_budget | a privacy mechanism's epsilon exceeds ``epsilon_max`` (epsilon > 10) |
+| secure_aggregation_aborted | secure aggregation rounds aborted (too few clients survived for the protocol's threshold; those rounds left the model unchanged) |
 """  # noqa: E501
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def evaluate_alerts(run: RunData) -> list[Alert]:
         *communication_budget(run, cfg.communication_budget_mb),
         *cold_start_slow(run, cfg.cold_start_steps, cfg.cold_start_target),
         *privacy_budget(run, cfg.epsilon_max),
+        *secure_aggregation_aborted(run),
     ]
     return sorted(alerts, key=lambda a: (math.inf if a.round is None else a.round, a.rule))
 
@@ -289,4 +291,19 @@ def privacy_budget(run: RunData, epsilon_max: float) -> list[Alert]:
     for rnd, eps in _points(run, "privacy", "epsilon"):
         if eps > epsilon_max:
             return [Alert("privacy_budget", rnd, f"epsilon {eps:.3g} > {epsilon_max:g}")]
+    return []
+
+
+def secure_aggregation_aborted(run: RunData) -> list[Alert]:
+    for rnd, aborted in _points(run, "secure_aggregation", "rounds_aborted"):
+        if aborted > 0:
+            last = dig(run.rounds[-1], "secure_aggregation", "rounds_aborted") or aborted
+            return [
+                Alert(
+                    "secure_aggregation_aborted",
+                    rnd,
+                    f"{int(last)} secure aggregation round(s) aborted: too few clients survived "
+                    "the protocol's threshold (lower train.dropout or the threshold)",
+                )
+            ]
     return []

@@ -216,3 +216,36 @@ def privacy_panel(run: RunData) -> Panel:
 
 def has_privacy(run: RunData) -> bool:
     return any(v is not None for v in run.series("privacy", "epsilon"))
+
+
+def secure_aggregation_panel(run: RunData) -> Panel:
+    """The protocol's cost and failures: cumulative MB the clients sent and received through
+    it, and the rounds that aborted (too few survivors for the threshold)."""
+    kind = dig(run.summary, "secure_aggregation", "kind") or "secure aggregation"
+    panel = Panel(
+        "secure_aggregation",
+        f"Secure aggregation ({kind})",
+        "Cumulative protocol traffic (masked or encrypted inputs, keys, shares) and the rounds "
+        "that aborted because too few clients survived; an aborted round leaves the model "
+        "unchanged.",
+        wide=False,
+    )
+    fig = go.Figure()
+    for name, color in (("up", UP), ("down", DOWN)):
+        mb = [
+            None if v is None else v / 1e6
+            for v in run.series("secure_aggregation", f"bytes_{name}")
+        ]
+        fig.add_trace(round_line(run, mb, f"MB {name}", color, hover="%{y:.3g} MB"))
+    aborted = run.series("secure_aggregation", "rounds_aborted")
+    trace = round_line(run, aborted, "rounds aborted", PERSONAL, dash="dot", hover="%{y:d}")
+    trace.yaxis = "y2"
+    fig.add_trace(trace)
+    round_layout(fig, run, y_title="MB (cumulative)")
+    fig.update_layout(yaxis2=right_axis("rounds aborted"))
+    panel.figure = fig
+    return panel
+
+
+def has_secure_aggregation(run: RunData) -> bool:
+    return any(v is not None for v in run.series("secure_aggregation", "bytes_up"))

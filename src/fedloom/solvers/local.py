@@ -47,20 +47,38 @@ def batch_plan(
     return plan[:num_steps]
 
 
+def poisson_plan(
+    n: int, batch_size: int | None, num_steps: int, gen: torch.Generator
+) -> list[torch.Tensor]:
+    """Index tensors for ``num_steps`` Poisson minibatches: at each step every one of the ``n``
+    samples is taken independently with probability q = min(1, batch_size / n) (DP-SGD's
+    sampling, what its accountant assumes; Opacus's ``poisson_sampling``). A step may take no
+    sample (an empty tensor)."""
+    if n == 0:
+        return []
+    q = 1.0 if batch_size is None else min(1.0, batch_size / n)
+    draws = torch.rand(num_steps, n, generator=gen) < q
+    return [row.nonzero().flatten() for row in draws]
+
+
 @dataclass(frozen=True)
 class PlanMaker:
     """Makes a client's minibatch plan from the stream (seed, round, client, purpose).
 
     A small picklable object (not a closure over the engine) so that algorithms can be sent to
-    Ray workers and still make the same plans there."""
+    Ray workers and still make the same plans there. With ``poisson`` (sample-level DP) the
+    engine's round plan (purpose ``batches``) is Poisson-sampled (``poisson_plan``)."""
 
     seed: int
     batch_size: int | None
+    poisson: bool = False
 
     def __call__(
         self, data: ClientData, num_steps: int, purpose: str, round: int, client_id: int
     ) -> list[torch.Tensor]:
         gen = generator(self.seed, purpose, round, client_id)
+        if self.poisson and purpose == "batches":
+            return poisson_plan(data.num_train, self.batch_size, num_steps, gen)
         return batch_plan(data.num_train, self.batch_size, num_steps, gen)
 
 

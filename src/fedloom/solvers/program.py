@@ -10,6 +10,12 @@ An algorithm states its client side once, as a :class:`ClientProgram` (FedJAX's
                 carry_c, metrics <- u.fn(ops, carry_c, batches_c, shared)   # pure tensors
     result <- program.finish(message, state, task, carry, metrics)   # per client, in Python
 
+An update that needs random tensors at each step (DP-SGD's Gaussian noise) declares ``u.draw``:
+the backends call it outside ``vmap`` with the client's own generator, stream (seed, round,
+client, 'draws/<u.name>'), once per step the client takes, and hand the result to ``u.fn`` as
+the lead minibatch's ``draws``. Generators are not supported under ``vmap``; this way every
+backend draws the same numbers for the same client.
+
 ``u.fn`` is a pure function of tensors: no Python branching on tensor values, no in-place
 writes to its inputs (except what the model's forward does to BatchNorm buffers and what
 ``ops.descend`` may do to the parameters it is handed), every gradient through ``ops``. The
@@ -46,11 +52,14 @@ BATCHES = "batches"
 @dataclass(frozen=True)
 class Batch:
     """One minibatch as an update sees it: inputs, targets and per-sample weights (1 for a real
-    sample, 0 for padding that the vmap backend adds to equalize batch sizes)."""
+    sample, 0 for padding that the vmap backend adds to equalize batch sizes), and the step's
+    random draws (``Update.draw``; on the lead minibatch only, else None). A minibatch may be
+    empty (a Poisson-sampled step that drew no sample): the update still runs."""
 
     x: torch.Tensor
     y: torch.Tensor
     w: torch.Tensor
+    draws: dict[str, torch.Tensor] | None = None
 
     def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
         """The mean of ``per_sample`` over the real samples (0 for an all-padding batch)."""
@@ -105,13 +114,24 @@ UpdateFn = Callable[[Ops, Carry, tuple[Batch, ...], dict[str, Any]], tuple[Carry
 steps the update ran."""
 
 
+Draw = Callable[[torch.Generator], dict[str, torch.Tensor]]
+"""(generator) -> tensors of fixed shapes: one step's random inputs of an update."""
+
+
 @dataclass(frozen=True)
 class Update:
-    """One named update of a local step, consuming one minibatch of each plan in ``plans``."""
+    """One named update of a local step, consuming one minibatch of each plan in ``plans`` (and,
+    with ``draw``, one draw of random tensors from the client's stream 'draws/<name>')."""
 
     name: str
     plans: tuple[str, ...]
     fn: UpdateFn
+    draw: Draw | None = None
+
+    @property
+    def draw_purpose(self) -> str:
+        """The purpose of the client's stream that ``draw`` reads (core/rng.py)."""
+        return f"draws/{self.name}"
 
 
 @dataclass
@@ -191,6 +211,12 @@ class ClientProgram:
     ) -> ClientResult:
         """The client's result (upload, weight, new state) from its final carry."""
         raise NotImplementedError
+
+    def step_bytes(self, width: int) -> int:
+        """Working memory of one client's step beyond the usual gradients and activations
+        (``width`` samples a minibatch): DP-SGD's per-sample gradients. The vmap backend sizes
+        its chunks with it."""
+        return 0
 
     def run_lean(
         self, message: Message, state: State | None, task: ClientTask

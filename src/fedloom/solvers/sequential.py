@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedloom.core.rng import generator
 from fedloom.solvers.ops import AUTOGRAD
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan
 
@@ -39,12 +40,14 @@ def run_steps(
     first: int,
     sums: MetricSums | None = None,
     counts: dict[str, int] | None = None,
+    streams: dict[str, torch.Generator] | None = None,
 ) -> ClientRun:
-    """Steps ``first`` .. the end of the client's plans, from ``carry``; ``sums`` and ``counts``
-    continue the metric sums and step counts of steps already taken (the vmap backend hands
-    its last few clients over mid-round)."""
+    """Steps ``first`` .. the end of the client's plans, from ``carry``; ``sums``, ``counts``
+    and ``streams`` continue the metric sums, step counts and draw streams of steps already
+    taken (the vmap backend hands its last few clients over mid-round)."""
     sums = sums if sums is not None else {u.name: {} for u in program.updates}
     counts = counts if counts is not None else {u.name: 0 for u in program.updates}
+    streams = streams if streams is not None else draw_streams(program, task)
     end = max((p.end for p in plans.values()), default=0)
     x, y = task.data.x_train, task.data.y_train
     ones: dict[int, torch.Tensor] = {}
@@ -62,12 +65,26 @@ def run_steps(
                     if n not in ones:
                         ones[n] = torch.ones(n)
                     batches.append(Batch(x[idx], y[idx], ones[n]))
+                if update.draw is not None:
+                    lead_batch = batches[0]
+                    draws = update.draw(streams[update.name])
+                    batches[0] = Batch(lead_batch.x, lead_batch.y, lead_batch.w, draws)
                 carry, metrics = update.fn(AUTOGRAD, carry, tuple(batches), shared)
                 acc = sums[update.name]
                 for key, value in metrics.items():
                     acc[key] = acc.get(key, 0.0) + float(value)
                 counts[update.name] += 1
     return ClientRun(carry, finish_metrics(sums, counts), counts)
+
+
+def draw_streams(program: ClientProgram, task: ClientTask) -> dict[str, torch.Generator]:
+    """The client's generator for each update that draws (stream (seed, round, client,
+    'draws/<update>'), solvers/program.py)."""
+    return {
+        u.name: generator(program.seed, u.draw_purpose, task.round, task.client_id)
+        for u in program.updates
+        if u.draw is not None
+    }
 
 
 def finish_metrics(sums: MetricSums, counts: dict[str, int]) -> dict[str, dict[str, float]]:

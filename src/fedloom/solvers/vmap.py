@@ -3,14 +3,16 @@
 The chunk's carries are stacked along a leading client dimension and each update of a local
 step is one vmapped call over the clients that take it. Clients with smaller minibatches are
 padded with weight-0 samples; a client without a minibatch of an update's plan at step s keeps
-its carry (a masked select), so every client follows exactly the sequential backend's
+its carry (a masked select; a client whose minibatch at step s is empty, as a Poisson-sampled
+one can be, still takes the step), so every client follows exactly the sequential backend's
 trajectory (up to float summation order). Models with normalization layers are grouped by exact
 batch size instead of padded, since padding would change batch statistics.
 
 Data movement stays out of the per-step loop: the executor concatenates every client's
 training data once into an :class:`Arena`; a chunk's plans become one (steps, clients, width)
 tensor of arena rows per named plan, and each step gathers its minibatches with
-``index_select`` into a buffer allocated once per chunk and plan slot.
+``index_select`` into a buffer allocated once per chunk and plan slot. An update's random
+draws (``Update.draw``) are made per client from its own stream, outside ``vmap``, and stacked.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.func import vmap
 from fedloom.core.protocol import ClientData
 from fedloom.solvers.ops import FUNC, FUNC_IN_PLACE, FuncOps
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan, Update
-from fedloom.solvers.sequential import finish_metrics, run_steps
+from fedloom.solvers.sequential import draw_streams, finish_metrics, run_steps
 
 if TYPE_CHECKING:
     from fedloom.core.protocol import ClientTask, Message, State
@@ -202,6 +204,8 @@ class ChunkRunner:
             for in_place in (False, True)
         }
         self.num = 0
+        self.streams: list[dict[str, torch.Generator]] = []
+        """Each chunk client's draw streams (``Update.draw``), continued across steps."""
 
     def run(
         self,
@@ -221,10 +225,17 @@ class ChunkRunner:
         )
         ids = [t.client_id for t in tasks]
         index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        present: dict[str, torch.Tensor] = {}
         for name in plans[0]:
             padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
             rows, weight, sizes = self.arena.batch_index(ids, padded)
             index[name] = (rows.to(dev), weight.to(dev), sizes)
+            present[name] = plan_presence(plans, name, sizes.shape[0])
+        self.streams = (
+            [draw_streams(program, t) for t in tasks]
+            if any(u.draw is not None for u in program.updates)
+            else []
+        )
         buffers = self._gather_buffers(index, num)
         sums: dict[str, dict[str, torch.Tensor]] = {u.name: {} for u in program.updates}
         counts = {u.name: torch.zeros(num, dtype=torch.long) for u in program.updates}
@@ -244,12 +255,17 @@ class ChunkRunner:
                 )
                 break
             for update in program.updates:
-                sizes = index[update.plans[0]][2]
+                lead = update.plans[0]
+                sizes = index[lead][2]
                 if s >= sizes.shape[0]:
                     continue
-                for rows, width in self._groups(sizes[s]):
-                    self._step(update, leaves, spec, index, buffers, s, rows, width, shared, sums)
-                    counts[update.name][rows] += (sizes[s][rows] > 0).long()
+                on_s = present[lead][s]
+                for rows, width in self._groups(sizes[s], on_s):
+                    on = on_s[rows]
+                    self._step(
+                        update, leaves, spec, index, buffers, s, rows, width, on, shared, sums
+                    )
+                    counts[update.name][rows] += on.long()
         flat_cpu = [leaf.cpu() for leaf in leaves]
         per_client = [leaf.unbind(0) for leaf in flat_cpu]
         sums_cpu = {u: {k: v.cpu().tolist() for k, v in m.items()} for u, m in sums.items()}
@@ -276,9 +292,12 @@ class ChunkRunner:
         s: int,
         rows: Rows,
         width: int,
+        on: torch.Tensor,
         shared: dict[str, Any],
         sums: dict[str, dict[str, torch.Tensor]],
     ) -> None:
+        """``on``: which of ``rows`` have a minibatch of the update's lead plan at step s (the
+        others keep their carry)."""
         arena = self.arena
         sub = [leaf[rows] for leaf in leaves]
         batches = []
@@ -297,8 +316,9 @@ class ChunkRunner:
                     plan_weight[s, rows, :width],
                 )
             )
-        lead_weight = batches[0][2]
-        on = lead_weight.sum(dim=1) > 0
+        if update.draw is not None:
+            batches[0] = (*batches[0], self._draws(update, rows, on))
+        on = on.to(self.device)
         everyone = bool(on.all())
         # in place only when no client's old value is needed by the masking below
         vmapped = self._vmapped[(update.name, everyone)]
@@ -328,17 +348,37 @@ class ChunkRunner:
             else:
                 acc[key].index_add_(0, torch.tensor(rows, device=value.device), masked)
 
-    def _groups(self, sizes: torch.Tensor) -> list[tuple[Rows, int]]:
+    def _draws(self, update: Update, rows: Rows, on: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The step's draws of ``update`` for ``rows``, stacked: each client that takes the
+        step draws from its own stream (in the order it takes steps, as on the sequential
+        backend); the others get zeros, which their masked step ignores."""
+        members = range(self.num)[rows] if isinstance(rows, slice) else rows
+        draw = update.draw
+        assert draw is not None
+        drawn: list[dict[str, torch.Tensor] | None] = [
+            draw(self.streams[c][update.name]) if flag else None
+            for c, flag in zip(members, on.tolist(), strict=True)
+        ]
+        template = next(d for d in drawn if d is not None)
+        return {
+            k: torch.stack(
+                [d[k] if d is not None else torch.zeros_like(template[k]) for d in drawn]
+            ).to(self.device)
+            for k in template
+        }
+
+    def _groups(self, sizes: torch.Tensor, present: torch.Tensor) -> list[tuple[Rows, int]]:
         """Which clients take an update together at step s (``sizes``: each client's
-        minibatch size, 0 for none), and their padded batch width: without normalization layers
-        the prefix up to the last client with a minibatch (the others masked), with them groups
-        of exact batch size (no padding). Tensor ops, not a Python pass over the clients."""
-        on = (sizes > 0).nonzero().flatten()
+        minibatch size; ``present``: whether it has a minibatch, possibly empty), and their
+        padded batch width (at least 1): without normalization layers the prefix up to the
+        last client with a minibatch (the others masked), with them groups of exact batch
+        size (no padding). Tensor ops, not a Python pass over the clients."""
+        on = present.nonzero().flatten()
         if on.numel() == 0:
             return []
         if not self.group_by_size:
             last = int(on[-1]) + 1
-            return [(slice(0, last), int(sizes[:last].max()))]
+            return [(slice(0, last), max(1, int(sizes[:last].max())))]
         by_size: dict[int, list[int]] = {}
         for c, size in zip(on.tolist(), sizes[on].tolist(), strict=True):
             by_size.setdefault(size, []).append(c)
@@ -380,9 +420,27 @@ class ChunkRunner:
             carry = spec.build([leaf[c].cpu().clone() for leaf in leaves])
             client_sums = {u: {k: float(v[c]) for k, v in m.items()} for u, m in sums.items()}
             client_counts = {u: int(n[c]) for u, n in counts.items()}
+            streams = self.streams[c] if self.streams else None
             runs[c] = run_steps(
-                self.program, carry, plans[c], shared_cpu, tasks[c], s, client_sums, client_counts
+                self.program,
+                carry,
+                plans[c],
+                shared_cpu,
+                tasks[c],
+                s,
+                client_sums,
+                client_counts,
+                streams,
             )
+
+
+def plan_presence(plans: list[dict[str, Plan]], name: str, steps: int) -> torch.Tensor:
+    """(steps, clients) bool: whether each client has a minibatch (possibly empty) of plan
+    ``name`` at each step, from the plans' extents (start .. end)."""
+    starts = torch.tensor([p[name].start for p in plans])
+    ends = torch.tensor([p[name].end for p in plans])
+    s = torch.arange(steps)[:, None]
+    return (s >= starts[None, :]) & (s < ends[None, :])
 
 
 def _vmapped(update: Update, ops: FuncOps) -> Any:

@@ -1,0 +1,230 @@
+"""The engine's secure aggregation slot: a round's weighted model average computed through a
+``SecureSum`` protocol, so the server learns only the sum.
+
+Each uploading client k sends the vector [w_k Delta_k, w_k] with Delta_k = w_k's model minus
+the broadcast one, flattened over all parameters, and w_k = n_k / max_j n_j its sample count
+over the round's largest (public: the server weighs clients by it in plain FedAvg too). The
+protocol clips every coordinate to [-clip, clip], encodes and sums; the server divides the sum
+of the weighted updates by the sum of the weights and adds the result to the broadcast model:
+
+    theta_{t+1} = theta_t + sum_k w_k Delta_k / sum_k w_k       (k over the included clients)
+
+which is FedAvg's weighted mean up to the protocol's encoding error. Who is included is the
+protocol's answer: clients that vanished before uploading are not; those that vanished after
+(SecAgg's round 3) are. Below the protocol's threshold the round aborts
+(``SecureAggregationAbort``) and the engine keeps the server's state for that round.
+
+With client-level DP (privacy.kind client_dp) the sum is of the clipped updates, uniformly
+weighted (``sum_updates``), and the server adds the Gaussian noise to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedloom.secure.base import DropStage, SecureAggregationAbort, SecureSum
+
+if TYPE_CHECKING:
+    from fedloom.config import SecureAggregationConfig
+
+Tree = dict[str, torch.Tensor]
+
+
+def build_protocol(config: SecureAggregationConfig, seed: int, max_clients: int) -> SecureSum:
+    """The ``SecureSum`` protocol ``config.kind`` names (imported only when asked for: the
+    cryptographic libraries are the ``secure`` extra). ``max_clients``: the most clients a
+    round can hold (sizes Paillier's slots when smaller than ``config.max_clients``)."""
+    kind = config.kind
+    try:
+        if kind in ("secagg", "secagg_plus"):
+            from fedloom.secure.secagg import SecAgg, SecAggPlus
+
+            if kind == "secagg":
+                return SecAgg(
+                    config.clip,
+                    config.bits,
+                    config.threshold,
+                    max_clients=config.max_clients,
+                    seed=seed,
+                )
+            return SecAggPlus(
+                config.clip,
+                config.bits,
+                config.neighbours,
+                config.threshold,
+                max_clients=config.max_clients,
+                seed=seed,
+            )
+        if kind == "paillier":
+            from fedloom.secure.encrypted_fedavg import PaillierAggregation
+
+            return PaillierAggregation(
+                config.clip,
+                config.frac_bits,
+                config.key_bits,
+                max_clients=min(config.max_clients, max_clients),
+                min_contributors=config.min_contributors,
+                seed=seed,
+            )
+        if kind == "ckks":
+            from fedloom.secure.ckks import CKKSAggregation
+
+            return CKKSAggregation(config.clip, config.min_contributors, seed=seed)
+    except ImportError as err:  # pragma: no cover - the test extra installs them
+        from fedloom.errors import ConfigError
+
+        raise ConfigError(
+            f"secure_aggregation.kind {kind} needs the secure extra ({err.name} is missing): "
+            "pip install 'fedloom[secure]'"
+        ) from None
+    raise ValueError(f"no secure aggregation protocol {kind!r}")
+
+
+def flatten(tree: Mapping[str, torch.Tensor], keys: Sequence[str]) -> np.ndarray:
+    """The tensors at ``keys`` in order, as one float64 vector."""
+    return np.concatenate([tree[k].detach().double().reshape(-1).numpy() for k in keys])
+
+
+def unflatten(vector: np.ndarray, like: Mapping[str, torch.Tensor], keys: Sequence[str]) -> Tree:
+    out: Tree = {}
+    offset = 0
+    for k in keys:
+        ref = like[k]
+        n = ref.numel()
+        out[k] = torch.from_numpy(vector[offset : offset + n].copy()).reshape(ref.shape)
+        offset += n
+    return out
+
+
+class SecureAggregation:
+    """One run's secure aggregation: ``begin`` a round with its clients and dropouts, then the
+    algorithm's ``ctx.aggregate`` (``aggregate``) runs the protocol; the counters are what
+    summary.json's ``secure_aggregation`` reports."""
+
+    def __init__(self, config: SecureAggregationConfig, protocol: SecureSum) -> None:
+        self.config = config
+        self.protocol = protocol
+        self.round = 0
+        self.anchor: Tree | None = None
+        self.clients: list[int] = []
+        self.drops: dict[int, DropStage] = {}
+        self.rounds_completed = 0
+        self.rounds_aborted = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.seconds: dict[str, float] = {}
+        """Protocol seconds by phase, summed over the run."""
+        self.last: dict[str, Any] = {}
+        """The latest round: included clients, bytes, seconds, or why it aborted."""
+
+    # -- the round ------------------------------------------------------------------------
+    def begin(
+        self, round: int, message: Mapping[str, Any], clients: Sequence[int], drops: dict
+    ) -> None:
+        """The round's broadcast model (``message['params']``), the clients whose uploads the
+        algorithm will aggregate, in that order, and every client that vanished and when."""
+        self.round = round
+        self.anchor = dict(message["params"])
+        self.clients = list(clients)
+        self.drops = dict(drops)
+
+    def aggregate(self, trees: Sequence[Tree], weights: Sequence[float]) -> Tree:
+        """The weighted mean of ``trees`` (the clients' models) through the protocol."""
+        anchor = self._anchor_for(trees)
+        top = max(weights) if weights else 1.0
+        scaled = [float(w) / top if top > 0 else 1.0 for w in weights]
+        keys = list(anchor)
+        base = flatten(anchor, keys)
+        vectors = {
+            c: np.append(w * (flatten(tree, keys) - base), w)
+            for c, tree, w in zip(self.clients, trees, scaled, strict=True)
+        }
+        total = self._sum(vectors)
+        mean = total[:-1] / total[-1] if total[-1] > 0 else np.zeros(len(base))
+        return {
+            k: (anchor[k].double() + v).to(anchor[k].dtype)
+            for k, v in unflatten(mean, anchor, keys).items()
+        }
+
+    def sum_updates(self, trees: Sequence[Tree], anchor: Tree) -> Tree:
+        """sum_k (tree_k - anchor) through the protocol (client-level DP's sum of clipped
+        updates), in float64."""
+        keys = list(anchor)
+        base = flatten(anchor, keys)
+        vectors = {
+            c: flatten(tree, keys) - base for c, tree in zip(self.clients, trees, strict=True)
+        }
+        return unflatten(self._sum(vectors), anchor, keys)
+
+    def _anchor_for(self, trees: Sequence[Tree]) -> Tree:
+        anchor = self.anchor
+        assert anchor is not None, "begin the round first"
+        if not trees or set(trees[0]) != set(anchor) or len(trees) != len(self.clients):
+            raise SecureAggregationAbort(
+                "secure aggregation sums the clients' models once per round: the algorithm "
+                "aggregated something else"
+            )
+        return anchor
+
+    def _sum(self, vectors: dict[int, np.ndarray]) -> np.ndarray:
+        start = time.perf_counter()
+        try:
+            result = self.protocol.sum(self.round, vectors, self.drops)
+        except SecureAggregationAbort as err:
+            self.rounds_aborted += 1
+            self.last = {"round": self.round, "aborted": str(err)}
+            raise
+        self.rounds_completed += 1
+        self.bytes_up += result.bytes_up
+        self.bytes_down += result.bytes_down
+        for phase, s in result.seconds.items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + s
+        self.last = {
+            "round": self.round,
+            "included": len(result.included),
+            "bytes_up": result.bytes_up,
+            "bytes_down": result.bytes_down,
+        }
+        self.seconds["round"] = self.seconds.get("round", 0.0) + time.perf_counter() - start
+        return np.asarray(result.total, dtype=np.float64)
+
+    # -- run state and reports ------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:
+        """The metrics row's ``secure_aggregation``: counters so far and the latest round
+        (no timings: rows of a resumed run equal the uninterrupted run's)."""
+        return {
+            "kind": self.config.kind,
+            "rounds_completed": self.rounds_completed,
+            "rounds_aborted": self.rounds_aborted,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "last": dict(self.last),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's ``secure_aggregation``."""
+        out = self.progress()
+        del out["last"]
+        out["seconds"] = dict(self.seconds)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rounds_completed": self.rounds_completed,
+            "rounds_aborted": self.rounds_aborted,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "seconds": dict(self.seconds),
+        }
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        self.rounds_completed = int(saved.get("rounds_completed", 0))
+        self.rounds_aborted = int(saved.get("rounds_aborted", 0))
+        self.bytes_up = int(saved.get("bytes_up", 0))
+        self.bytes_down = int(saved.get("bytes_down", 0))
+        self.seconds = dict(saved.get("seconds", {}))

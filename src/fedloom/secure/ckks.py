@@ -1,0 +1,196 @@
+"""CKKS-encrypted FedAvg with TenSEAL (spec ``privacy_secagg.md`` §5, CKKS alternative).
+
+Same roles as the Paillier backend (``he_protocol``): the key authority alone holds the secret
+context; clients and the server get the public context (``serialize(save_secret_key=False)``,
+without relinearisation or Galois keys, which a sum does not need). Clients encrypt their
+clipped vector in chunks of 4,096 slots (N = 8192, coefficient moduli [60, 40, 40, 60],
+scale 2^40: about 128-bit security); the server adds the deserialised ciphertexts, each first
+multiplied by its public weight in the weighted variant; the authority decrypts the aggregate
+once per round. Message sizes are the serialised ciphertexts' lengths.
+
+CKKS is approximate: every encryption adds noise, so sums are close (about 1e-8 absolute for
+ten vectors in [-1, 1], more after a weight multiplication) but not exact, and since the noise
+is drawn fresh each time, two runs of the same round differ in the low bits: results are not
+bit-reproducible. Use the Paillier backend when exact sums matter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tenseal as ts
+
+from fedloom.secure.base import SecureAggregationAbort, SecureAggregationConfigError
+from fedloom.secure.he_protocol import (
+    CiphertextUpload,
+    DecryptedAggregate,
+    DecryptionPolicy,
+    DecryptionRecord,
+    DecryptRequest,
+    EncryptedAggregation,
+    Transcript,
+)
+
+POLY_MODULUS_DEGREE = 8192
+COEFF_MOD_BIT_SIZES = (60, 40, 40, 60)
+GLOBAL_SCALE = 2**40
+CHUNK = POLY_MODULUS_DEGREE // 2
+"""Values per ciphertext: N/2 slots (larger vectors would not fit in one ciphertext)."""
+
+
+def secret_context(n_threads: int | None = None) -> ts.Context:
+    """A fresh CKKS context with the spec's parameters, secret key included."""
+    context = ts.context(
+        ts.SCHEME_TYPE.CKKS,
+        poly_modulus_degree=POLY_MODULUS_DEGREE,
+        coeff_mod_bit_sizes=list(COEFF_MOD_BIT_SIZES),
+        n_threads=n_threads,
+    )
+    context.global_scale = GLOBAL_SCALE
+    return context
+
+
+def public_context_bytes(context: ts.Context) -> bytes:
+    """The context without its secret key (and without the keys a sum never uses)."""
+    return context.serialize(
+        save_public_key=True,
+        save_secret_key=False,
+        save_galois_keys=False,
+        save_relin_keys=False,
+    )
+
+
+class CKKSKeyAuthority:
+    """The only holder of the CKKS secret key; decrypts what its policy allows."""
+
+    def __init__(self, min_contributors: int, n_threads: int | None = None) -> None:
+        self._context = secret_context(n_threads)
+        self.public_context = public_context_bytes(self._context)
+        self.policy = DecryptionPolicy(min_contributors)
+
+    @property
+    def log(self) -> list[DecryptionRecord]:
+        return self.policy.log
+
+    def decrypt(self, request: DecryptRequest) -> DecryptedAggregate:
+        self.policy.authorize(request)
+        values = [ts.ckks_vector_from(self._context, c).decrypt() for c in request.ciphertexts]
+        return DecryptedAggregate(
+            request.round, request.contributors, np.concatenate(values).astype(np.float64)
+        )
+
+
+class CKKSClient:
+    """One client: clip and encrypt in 4,096-value chunks under the public context."""
+
+    def __init__(self, client: int, public_context: ts.Context, clip: float) -> None:
+        self.client = client
+        self.public_context = public_context
+        self.clip = clip
+
+    def upload(self, round: int, x: np.ndarray, weight: int = 1) -> CiphertextUpload:
+        x = np.asarray(x, dtype=np.float64)
+        if not np.all(np.isfinite(x)):
+            raise ValueError("cannot encrypt non-finite values (NaN or inf)")
+        x = np.clip(x, -self.clip, self.clip)
+        chunks = tuple(
+            ts.ckks_vector(self.public_context, x[i : i + CHUNK]).serialize()
+            for i in range(0, x.size, CHUNK)
+        )
+        return CiphertextUpload(round, self.client, chunks, weight)
+
+
+class CKKSServer:
+    """Holds the public context only: adds uploads (each times its weight) chunk by chunk."""
+
+    def __init__(self, public_context: ts.Context) -> None:
+        self.public_context = public_context
+        self._round: int | None = None
+        self._aggregate: list[Any] | None = None
+        self._contributors: list[int] = []
+        self._weight_sum = 0
+
+    def begin(self, round: int) -> None:
+        self._round, self._aggregate = round, None
+        self._contributors, self._weight_sum = [], 0
+
+    def receive(self, upload: CiphertextUpload) -> None:
+        if upload.round != self._round:
+            raise SecureAggregationAbort(
+                f"upload for round {upload.round} arrived in round {self._round}"
+            )
+        chunks = [ts.ckks_vector_from(self.public_context, c) for c in upload.ciphertexts]
+        if upload.weight != 1:
+            chunks = [c * float(upload.weight) for c in chunks]
+        if self._aggregate is None:
+            self._aggregate = chunks
+        else:
+            for total, chunk in zip(self._aggregate, chunks, strict=True):
+                total.add_(chunk)
+        self._contributors.append(upload.client)
+        self._weight_sum += upload.weight
+
+    @property
+    def weight_sum(self) -> int:
+        return self._weight_sum
+
+    def decrypt_request(self) -> DecryptRequest:
+        if self._aggregate is None or self._round is None:
+            raise SecureAggregationAbort("no uploads to aggregate")
+        return DecryptRequest(
+            self._round, tuple(self._contributors), tuple(c.serialize() for c in self._aggregate)
+        )
+
+
+class CKKSAggregation(EncryptedAggregation):
+    """CKKS-encrypted (weighted) FedAvg with a key authority (spec §5, TenSEAL); ``sum`` is
+    the ``SecureSum`` entry point, ``weighted_sum`` the weighted variant.
+
+    ``clip``: coordinates are clipped to [-clip, clip] (8.0 as for the other protocols;
+    CKKS itself only needs values well below 2^19 with these parameters);
+    ``min_contributors``: the authority's K_min (2, as for Paillier); ``max_weight``: the
+    largest weight :meth:`weighted_sum` accepts (None: any; the absolute error grows in
+    proportion to the weights); ``seed`` is kept for the engine's uniform constructor and
+    seeds nothing (SEAL draws its own randomness); ``n_threads``:
+    TenSEAL's thread count (None: all cores).
+    """
+
+    key_authority: CKKSKeyAuthority
+    server: CKKSServer
+
+    def __init__(
+        self,
+        clip: float = 8.0,
+        min_contributors: int = 2,
+        max_weight: int | None = None,
+        seed: int = 0,
+        *,
+        n_threads: int | None = None,
+        transcript: Transcript | None = None,
+    ) -> None:
+        super().__init__()
+        if not (np.isfinite(clip) and clip > 0):
+            raise SecureAggregationConfigError(f"clip={clip}: must be a positive number")
+        self.clip, self.max_weight, self.seed = float(clip), max_weight, seed
+        self.key_authority = CKKSKeyAuthority(min_contributors, n_threads)
+        public = self.key_authority.public_context
+        self._public_context = ts.context_from(public, n_threads=n_threads)
+        self.server = CKKSServer(self._public_context)
+        self.transcript = transcript if transcript is not None else Transcript()
+        self.publish_key()
+
+    def client(self, client: int) -> CKKSClient:
+        return CKKSClient(client, self._public_context, self.clip)
+
+    def public_key_message(self) -> tuple[bytes, int]:
+        public = self.key_authority.public_context
+        return public, len(public)
+
+    def message_bytes(self, message: CiphertextUpload | DecryptRequest | DecryptedAggregate) -> int:
+        if isinstance(message, DecryptedAggregate):
+            return int(message.plaintexts.nbytes)
+        return sum(len(c) for c in message.ciphertexts)
+
+    def decode(self, answer: DecryptedAggregate, length: int) -> tuple[np.ndarray, None]:
+        return answer.plaintexts[:length], None

@@ -1,0 +1,409 @@
+"""The round protocol shared by the homomorphic-encryption aggregators (spec §5): roles,
+messages, transcript, the key authority's policy and the round driver.
+
+Three roles exchange explicit messages: clients encrypt under the key authority's public key
+and upload to the server; the server combines ciphertexts and asks the key authority (KA) to
+decrypt the round aggregate; the KA, the only holder of the secret key, decrypts at most once
+per round and only requests that declare at least ``min_contributors`` clients, and logs each
+decryption (:class:`DecryptionPolicy`). Every message goes through a :class:`Transcript`, so a
+test can check who saw what. The KA cannot verify that the declared contributors really are
+in the ciphertext: a server colluding with the KA, or one that sends a single client's
+ciphertext with a made-up contributor list, defeats it (spec §5, Key custody).
+
+:class:`EncryptedAggregation` runs one round (``SecureSum.sum`` and a weighted variant); the
+backends (Paillier: ``encrypted_fedavg``; CKKS: ``ckks``) supply the three roles and the sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedloom.secure.base import (
+    DROP_STAGES,
+    DropStage,
+    SecureAggregationAbort,
+    SecureAggregationConfigError,
+    SecureSumResult,
+)
+
+SERVER = "server"
+KEY_AUTHORITY = "key_authority"
+SETUP_ROUND = -1
+"""Round id of the messages sent once at setup (the KA publishing its public key)."""
+
+
+def client_role(client: int) -> str:
+    return f"client:{client}"
+
+
+@dataclass(frozen=True)
+class PublicKeyMessage:
+    """KA -> server -> client: the public key (or public context) to encrypt under."""
+
+    round: int
+    public_key: Any
+
+
+@dataclass(frozen=True)
+class CiphertextUpload:
+    """Client -> server: the client's encrypted vector and its public integer weight."""
+
+    round: int
+    client: int
+    ciphertexts: tuple[Any, ...]
+    weight: int = 1
+
+
+@dataclass(frozen=True)
+class DecryptRequest:
+    """Server -> KA: the round aggregate and the clients the server declares are in it."""
+
+    round: int
+    contributors: tuple[int, ...]
+    ciphertexts: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class DecryptedAggregate:
+    """KA -> server: the plaintext of the round aggregate (packed integers or floats)."""
+
+    round: int
+    contributors: tuple[int, ...]
+    plaintexts: Any
+
+
+@dataclass(frozen=True)
+class TranscriptEntry:
+    """One message: who sent what kind of payload to whom, and its serialised size."""
+
+    round: int
+    sender: str
+    receiver: str
+    kind: str
+    nbytes: int
+    payload_types: frozenset[str]
+
+
+@dataclass
+class Transcript:
+    """Records every message between roles; ``keep_messages`` also keeps the objects (tests
+    only: a round's ciphertexts can be gigabytes)."""
+
+    keep_messages: bool = False
+    entries: list[TranscriptEntry] = field(default_factory=list)
+    messages: list[Any] = field(default_factory=list)
+
+    def send(self, sender: str, receiver: str, message: Any, nbytes: int) -> Any:
+        """Record ``message`` from ``sender`` to ``receiver`` and hand it over."""
+        self.entries.append(
+            TranscriptEntry(
+                round=message.round,
+                sender=sender,
+                receiver=receiver,
+                kind=type(message).__name__,
+                nbytes=int(nbytes),
+                payload_types=_payload_types(message),
+            )
+        )
+        if self.keep_messages:
+            self.messages.append(message)
+        return message
+
+    def select(
+        self, round: int | None = None, sender: str | None = None, receiver: str | None = None
+    ) -> list[TranscriptEntry]:
+        """Entries matching the given round and role names (a trailing ``*`` is a prefix)."""
+        return [
+            e
+            for e in self.entries
+            if (round is None or e.round == round)
+            and _role_matches(e.sender, sender)
+            and _role_matches(e.receiver, receiver)
+        ]
+
+    def nbytes(self, **selection: Any) -> int:
+        return sum(e.nbytes for e in self.select(**selection))
+
+
+def _role_matches(role: str, pattern: str | None) -> bool:
+    if pattern is None:
+        return True
+    if pattern.endswith("*"):
+        return role.startswith(pattern[:-1])
+    return role == pattern
+
+
+def _payload_types(message: Any) -> frozenset[str]:
+    for name in ("ciphertexts", "plaintexts", "public_key"):
+        payload = getattr(message, name, None)
+        if payload is None:
+            continue
+        items = payload if isinstance(payload, tuple | list) else (payload,)
+        return frozenset(type(item).__name__ for item in items)
+    return frozenset()
+
+
+class DecryptionRefused(SecureAggregationAbort):
+    """The key authority refused to decrypt: the round produces no output."""
+
+
+@dataclass(frozen=True)
+class DecryptionRecord:
+    """One decryption the KA performed (its audit log)."""
+
+    round: int
+    contributors: tuple[int, ...]
+    ciphertexts: int
+
+
+class DecryptionPolicy:
+    """The KA's rules (spec §5): one decryption per round, only of requests declaring at
+    least ``min_contributors`` distinct clients; every decryption is logged."""
+
+    def __init__(self, min_contributors: int) -> None:
+        if min_contributors < 1:
+            raise SecureAggregationConfigError(
+                f"min_contributors={min_contributors}: must be at least 1"
+            )
+        self.min_contributors = min_contributors
+        self.log: list[DecryptionRecord] = []
+        self._decrypted_rounds: set[int] = set()
+
+    def authorize(self, request: DecryptRequest) -> None:
+        """Raise :class:`DecryptionRefused` or log the request as decrypted."""
+        if request.round in self._decrypted_rounds:
+            raise DecryptionRefused(
+                f"key authority: round {request.round} was already decrypted once"
+            )
+        declared = len(set(request.contributors))
+        if declared < self.min_contributors:
+            raise DecryptionRefused(
+                f"key authority: round {request.round} declares {declared} contributor(s), "
+                f"fewer than min_contributors={self.min_contributors}"
+            )
+        self._decrypted_rounds.add(request.round)
+        self.log.append(
+            DecryptionRecord(request.round, tuple(request.contributors), len(request.ciphertexts))
+        )
+
+
+def uploaders(vectors: Mapping[int, Any], drops: Mapping[int, DropStage]) -> list[int]:
+    """Clients whose input reaches the server, ascending: those in ``vectors`` that did not
+    vanish at ``keys`` or ``shares`` (a client vanishing at ``unmask`` has uploaded)."""
+    for client, stage in drops.items():
+        if stage not in DROP_STAGES:
+            raise ValueError(f"client {client}: drop stage {stage!r} not in {DROP_STAGES}")
+    return sorted(c for c in vectors if drops.get(c) not in ("keys", "shares"))
+
+
+def check_weights(
+    weights: Mapping[int, int], clients: list[int], max_weight: int | None
+) -> dict[int, int]:
+    """Positive integer weights for ``clients``, each at most ``max_weight`` (when given)."""
+    checked: dict[int, int] = {}
+    for client in clients:
+        if client not in weights:
+            raise SecureAggregationConfigError(f"client {client} has no weight")
+        weight = weights[client]
+        if isinstance(weight, bool) or not isinstance(weight, int | np.integer):
+            raise SecureAggregationConfigError(
+                f"client {client}: weight {weight!r} must be a positive integer"
+            )
+        weight = int(weight)
+        if weight < 1 or (max_weight is not None and weight > max_weight):
+            bound = f" and at most max_weight={max_weight}" if max_weight is not None else ""
+            raise SecureAggregationConfigError(
+                f"client {client}: weight {weight} must be at least 1{bound}"
+            )
+        checked[client] = weight
+    return checked
+
+
+def common_length(vectors: Mapping[int, Any], clients: list[int]) -> int:
+    """The one length of the clients' 1-D vectors (0 when there are none)."""
+    shapes = {c: np.shape(vectors[c]) for c in clients}
+    distinct = set(shapes.values())
+    if len(distinct) > 1 or any(len(s) != 1 for s in distinct):
+        raise SecureAggregationConfigError(
+            f"client vectors must be 1-D and of one length, got shapes {shapes}"
+        )
+    return next(iter(distinct))[0] if distinct else 0
+
+
+@dataclass
+class EncryptedSumResult(SecureSumResult):
+    """A round's output plus what the weighted variant adds: Σ n_k, and (Paillier) the
+    decrypted integer slot sums Σ n_k·q_k that the key authority returned, unpacked."""
+
+    weight_sum: int = 0
+    slot_sums: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def mean(self) -> np.ndarray:
+        """The (weighted) mean Σ n_k x_k / Σ n_k: FedAvg's aggregate."""
+        return self.total / self.weight_sum
+
+
+class KeyAuthorityRole(Protocol):
+    policy: DecryptionPolicy
+
+    def decrypt(self, request: DecryptRequest) -> DecryptedAggregate: ...
+
+
+class ClientRole(Protocol):
+    def upload(self, round: int, x: np.ndarray, weight: int = 1) -> CiphertextUpload: ...
+
+
+class ServerRole(Protocol):
+    @property
+    def weight_sum(self) -> int: ...
+
+    def begin(self, round: int) -> None: ...
+
+    def receive(self, upload: CiphertextUpload) -> None: ...
+
+    def decrypt_request(self) -> DecryptRequest: ...
+
+
+class EncryptedAggregation(ABC):
+    """One round between the roles, messages recorded in ``transcript``: the server sends
+    the public key to clients that lack it, clients upload, the server folds each upload into
+    the aggregate as it arrives, the key authority decrypts the aggregate, the server decodes.
+
+    Subclasses set ``key_authority``, ``server``, ``transcript``, ``max_weight`` and provide
+    the backend hooks below.
+    """
+
+    key_authority: KeyAuthorityRole
+    server: ServerRole
+    transcript: Transcript
+    max_weight: int | None
+
+    def __init__(self) -> None:
+        self._clients_with_key: set[int] = set()
+
+    @abstractmethod
+    def client(self, client: int) -> ClientRole:
+        """The role object of one client."""
+
+    @abstractmethod
+    def public_key_message(self) -> tuple[Any, int]:
+        """The public key (or context) clients encrypt under, and its serialised size."""
+
+    @abstractmethod
+    def message_bytes(self, message: CiphertextUpload | DecryptRequest | DecryptedAggregate) -> int:
+        """Serialised size of the ciphertexts (or plaintexts) in ``message``."""
+
+    @abstractmethod
+    def decode(
+        self, answer: DecryptedAggregate, length: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(Σ n_k x_k as float64, integer slot sums or None) from the authority's answer."""
+
+    def check_capacity(self, round: int, senders: list[int]) -> None:
+        """Raise ``SecureAggregationConfigError`` if the round exceeds what was set up for
+        (before any client encrypts); by default any round fits."""
+        return None
+
+    def sum(
+        self, round: int, vectors: Mapping[int, np.ndarray], drops: Mapping[int, DropStage]
+    ) -> EncryptedSumResult:
+        """Σ_k clip(x_k) over the clients that uploaded (``SecureSum``)."""
+        return self._run(round, vectors, drops, weights=None)
+
+    def weighted_sum(
+        self,
+        round: int,
+        vectors: Mapping[int, np.ndarray],
+        weights: Mapping[int, int],
+        drops: Mapping[int, DropStage] | None = None,
+    ) -> EncryptedSumResult:
+        """Σ_k n_k·clip(x_k) with public integer weights n_k applied to the ciphertexts by
+        the server; ``.mean`` of the result is weighted FedAvg's aggregate."""
+        return self._run(round, vectors, drops or {}, weights=weights)
+
+    def publish_key(self) -> None:
+        """Setup: the key authority hands its public key to the server."""
+        public_key, nbytes = self.public_key_message()
+        self.transcript.send(
+            KEY_AUTHORITY, SERVER, PublicKeyMessage(SETUP_ROUND, public_key), nbytes
+        )
+
+    def _run(
+        self,
+        round: int,
+        vectors: Mapping[int, np.ndarray],
+        drops: Mapping[int, DropStage],
+        weights: Mapping[int, int] | None,
+    ) -> EncryptedSumResult:
+        start = time.perf_counter()
+        senders = uploaders(vectors, drops)
+        length = common_length(vectors, senders)
+        self.check_capacity(round, senders)
+        weight_of = (
+            check_weights(weights, senders, self.max_weight)
+            if weights is not None
+            else dict.fromkeys(senders, 1)
+        )
+        min_contributors = self.key_authority.policy.min_contributors
+        if len(senders) < min_contributors:
+            raise SecureAggregationAbort(
+                f"round {round}: {len(senders)} upload(s), fewer than the key authority's "
+                f"min_contributors={min_contributors}"
+            )
+        bytes_down = self._send_public_key(round, sorted(vectors))
+
+        seconds = dict.fromkeys(("encrypt", "aggregate", "decrypt", "decode"), 0.0)
+        self.server.begin(round)
+        bytes_up = 0
+        for client in senders:
+            tick = time.perf_counter()
+            upload = self.client(client).upload(round, vectors[client], weight_of[client])
+            seconds["encrypt"] += time.perf_counter() - tick
+            nbytes = self.message_bytes(upload)
+            bytes_up += nbytes
+            self.transcript.send(client_role(client), SERVER, upload, nbytes)
+            tick = time.perf_counter()
+            self.server.receive(upload)
+            seconds["aggregate"] += time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        request = self.server.decrypt_request()
+        seconds["aggregate"] += time.perf_counter() - tick
+        self.transcript.send(SERVER, KEY_AUTHORITY, request, self.message_bytes(request))
+        tick = time.perf_counter()
+        answer = self.key_authority.decrypt(request)
+        seconds["decrypt"] = time.perf_counter() - tick
+        self.transcript.send(KEY_AUTHORITY, SERVER, answer, self.message_bytes(answer))
+        tick = time.perf_counter()
+        total, slot_sums = self.decode(answer, length)
+        seconds["decode"] = time.perf_counter() - tick
+        seconds["total"] = time.perf_counter() - start
+        return EncryptedSumResult(
+            total=total,
+            included=senders,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            seconds=seconds,
+            weight_sum=self.server.weight_sum,
+            slot_sums=slot_sums,
+        )
+
+    def _send_public_key(self, round: int, clients: list[int]) -> int:
+        """Send the public key to the round's clients that do not hold it yet; bytes sent."""
+        public_key, nbytes = self.public_key_message()
+        sent = 0
+        for client in clients:
+            if client not in self._clients_with_key:
+                self.transcript.send(
+                    SERVER, client_role(client), PublicKeyMessage(round, public_key), nbytes
+                )
+                self._clients_with_key.add(client)
+                sent += nbytes
+        return sent
