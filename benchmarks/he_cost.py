@@ -25,7 +25,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -133,14 +135,16 @@ def table(costs: list[Cost], dim: int) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Print the table and the JSON line for ``argv`` (the command line by default); return
+    the JSON line's object."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--dim", type=int, default=199_210)
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     for scheme in schemes:
         if scheme not in SCHEMES:
@@ -150,9 +154,9 @@ def main() -> None:
     costs = [measure(s, args.clients, args.dim, args.budget_s, args.threads) for s in schemes]
     print(f"{args.clients} clients, d = {args.dim:,}, clip {CLIP}, f = {FRAC_BITS}\n")
     print(table(costs, args.dim))
-    print(
-        json.dumps({"clients": args.clients, "dim": args.dim, "costs": [asdict(c) for c in costs]})
-    )
+    results = {"clients": args.clients, "dim": args.dim, "costs": [asdict(c) for c in costs]}
+    print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":

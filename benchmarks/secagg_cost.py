@@ -1,9 +1,10 @@
 """Cost of one SecAgg / SecAgg+ round: 100 clients, d = 199,210 (the 2NN's parameters).
 
     python benchmarks/secagg_cost.py [--clients 100] [--dim 199210] [--repeats 3]
+                                     [--dropouts 0,0.1]
 
-For SecAgg+ (default k and t) and SecAgg (t = n // 2 + 1), with 0% and 10% of the clients
-dropping after ShareKeys (before MaskedInput, so their s_v^sk is rebuilt and their pairwise
+For SecAgg+ (default k and t) and SecAgg (t = n // 2 + 1), with 0% and 10% (--dropouts) of the
+clients dropping after ShareKeys (before MaskedInput, so their s_v^sk is rebuilt and their pairwise
 masks removed: the expensive case), prints the median seconds per round by phase and the
 bytes up and down per sampled client as a markdown table, then one JSON line. The whole
 simulated round runs in this one process on one core (every client's work and the server's,
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,12 +44,16 @@ def measure(protocol: SecAgg | SecAggPlus, clients: int, dim: int, dropout: floa
     }
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Print the table and the JSON line for ``argv`` (the command line by default); return
+    the JSON line's object."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--dim", type=int, default=199_210)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--dropouts", default="0,0.1", help="comma-separated fractions")
+    args = parser.parse_args(argv)
+    dropouts = [float(f) for f in args.dropouts.split(",") if f.strip()]
     k = default_neighbours(args.clients)
     protocols = {
         f"SecAgg+ (k={k}, t={default_threshold(k + 1)})": SecAggPlus(),
@@ -61,7 +68,7 @@ def main() -> None:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for name, protocol in protocols.items():
-        for dropout in (0.0, 0.1):
+        for dropout in dropouts:
             row = measure(protocol, args.clients, args.dim, dropout, args.repeats)
             results[f"{name} dropout={dropout}"] = row
             cells = " | ".join(f"{row['seconds'][p]:.3f}" for p in PHASES)
@@ -71,6 +78,7 @@ def main() -> None:
             )
     print(f"\nplaintext float32 upload: {4 * args.dim / 1e3:,.1f} KB/client")
     print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":

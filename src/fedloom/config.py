@@ -10,6 +10,7 @@ it without parsing again); dataset-specific keys sit under a key named after the
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -372,6 +373,63 @@ class SecureAggregationConfig(StrictModel):
         return self
 
 
+class TriggerConfig(StrictModel):
+    size: int = Field(default=3, ge=1)
+    """Side of the square trigger in pixels (flat inputs: size^2 last features)."""
+    value: float | None = None
+    """The trigger's pixel value (null: the largest input value of the training data)."""
+
+
+class AttackConfig(StrictModel):
+    """Poisoning by a seeded fraction of malicious clients (docs/security.md)."""
+
+    kind: Literal[
+        "none", "label_flip", "random_labels", "backdoor", "gaussian", "scale", "sign_flip"
+    ] = "none"
+    fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
+    """Of all training clients, chosen once with the run's seed."""
+    mode: Literal["complement", "all_to_one", "targeted"] = "complement"
+    """label_flip: y -> C - 1 - y, y -> target, or source -> target."""
+    source: int | None = Field(default=None, ge=0)
+    """label_flip mode targeted: the class relabelled."""
+    target: int = Field(default=0, ge=0)
+    """label_flip (all_to_one, targeted) and backdoor: the label the attacker wants."""
+    scale: float | None = Field(default=None, gt=0.0)
+    """scale: the boost K (null: the clients per round); sign_flip: s >= 1 (null: 1)."""
+    trigger: TriggerConfig = Field(default_factory=TriggerConfig)
+    """backdoor: the pixel trigger."""
+    poison_fraction: float = Field(default=0.5, gt=0.0, le=1.0)
+    """backdoor: the fraction of a malicious client's samples stamped and relabelled."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> AttackConfig:
+        if self.kind == "label_flip" and self.mode == "targeted" and self.source is None:
+            raise ValueError("label_flip mode targeted needs source (the class to relabel)")
+        if self.kind == "sign_flip" and self.scale is not None and self.scale < 1:
+            raise ValueError(f"sign_flip scale s must be >= 1, got {self.scale}")
+        return self
+
+
+class AggregatorConfig(StrictModel):
+    """The server's aggregation rule (docs/security.md): FedAvg's weighted mean, or a
+    Byzantine-robust rule in its place for every algorithm that aggregates."""
+
+    kind: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "norm_clip"] = (
+        "mean"
+    )
+    f: int | None = Field(default=None, ge=0)
+    """krum, multi_krum, bulyan: Byzantine clients tolerated per round (null: the attack's
+    fraction of the clients per round, rounded up; 1 without an attack)."""
+    beta: float = Field(default=0.1, ge=0.0, lt=0.5)
+    """trimmed_mean: the fraction trimmed at each end."""
+    m: int | None = Field(default=None, ge=1)
+    """multi_krum: updates averaged (null: n - f)."""
+    max_norm: float | None = Field(default=None, gt=0.0)
+    """norm_clip: the bound M (null: the median update norm of the round)."""
+    noise: float = Field(default=0.0, ge=0.0)
+    """norm_clip: std of Gaussian noise added to the mean (Sun et al. 2019's weak DP)."""
+
+
 class StateConfig(StrictModel):
     storage: Literal["memory", "mmap"] = "memory"
     """Per-client persistent state: stacked tensors in RAM, or memory-mapped files under the
@@ -447,6 +505,8 @@ class RunConfig(StrictModel):
     state: StateConfig = Field(default_factory=StateConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = Field(default_factory=SecureAggregationConfig)
+    attack: AttackConfig = Field(default_factory=AttackConfig)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
@@ -523,6 +583,46 @@ class RunConfig(StrictModel):
                 f"{self.algorithm.name} does not"
             )
         return self
+
+    @model_validator(mode="after")
+    def _robust_aggregation_applies(self) -> RunConfig:
+        """A robust rule needs every update in the clear (not secure aggregation, not
+        client-level DP's own estimator) and, for Krum and Bulyan, enough clients a round."""
+        kind = self.aggregator.kind
+        if kind == "mean":
+            return self
+        if self.secure_aggregation.kind != "none" or self.privacy.kind == "client_dp":
+            raise ConfigError(
+                f"aggregator.kind {kind} needs each client's update in the clear: it does not "
+                "combine with secure_aggregation or privacy.kind client_dp"
+            )
+        n = self.clients_per_round_nominal()
+        if n is not None and kind in ("krum", "multi_krum", "bulyan"):
+            f = self.byzantine_f(n)
+            need = 4 * f + 3 if kind == "bulyan" else 2 * f + 3
+            if n < need:
+                rule = "n >= 4f + 3" if kind == "bulyan" else "n > 2f + 2"
+                raise ConfigError(
+                    f"aggregator.kind {kind} with f={f} needs at least {need} clients a round "
+                    f"({rule}); train.clients_per_round gives {n}"
+                )
+        return self
+
+    def clients_per_round_nominal(self) -> int | None:
+        """train.clients_per_round, else every training client (when the count is known)."""
+        if self.train.clients_per_round is not None:
+            return self.train.clients_per_round
+        if self.data.num_clients is not None:
+            return self.data.num_clients - self.eval.new_clients
+        return None
+
+    def byzantine_f(self, n: int) -> int:
+        """aggregator.f, else the attack's expected malicious clients among n (1 without)."""
+        if self.aggregator.f is not None:
+            return self.aggregator.f
+        if self.attack.kind != "none":
+            return math.ceil(self.attack.fraction * n)
+        return 1
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -22,6 +22,12 @@ class RunDirError(FedloomInputError):
     """The output or resume directory cannot be used."""
 
 
+class RoundAborted(RuntimeError):
+    """A round's server step cannot be taken (secure aggregation below its threshold, too few
+    clients for a robust rule's precondition): the engine keeps the server's state for that
+    round, logs why, and goes on."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str | None:
     """The valid name closest to ``name`` (for 'did you mean' hints), or None."""
     matches = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)

@@ -40,6 +40,18 @@ def test_every_algorithm_vectorized_on_cuda_equals_sequential_on_cpu(algorithm, 
     assert_same(cpu, gpu)
 
 
+@needs_gpu
+def test_dpsgd_vectorized_on_cuda_equals_sequential_on_cpu(exact_cuda_float32):
+    """Sample-level DP-SGD: per-client noise drawn on the CPU and moved with the chunk, the
+    per-sample gradients on the GPU."""
+    runs = []
+    for executor in ({"kind": "sequential"}, {"kind": "vectorized", "device": "cuda"}):
+        cfg = config("fedavg", "mlp", executor, 16)
+        cfg["privacy"] = {"kind": "sample_dp", "noise_multiplier": 1.0, "clip": 1.0}
+        runs.append(fedloom.run(cfg, write=False, progress=False))
+    assert_same(*runs)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_cuda_without_a_gpu_is_a_config_error():
     with pytest.raises(ConfigError, match=r"executor\.device"):

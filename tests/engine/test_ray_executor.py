@@ -152,6 +152,31 @@ def test_ray_equals_sequential(cluster: str, recorded: Recorded, algorithm: str)
         assert all(len(nodes) == 1 for nodes in ex.round_nodes)
 
 
+PRIVATE: dict[str, dict[str, Any]] = {
+    "sample_dp": {"privacy": {"kind": "sample_dp", "noise_multiplier": 1.0}},
+    "client_dp_secagg_plus": {
+        "privacy": {"kind": "client_dp", "noise_multiplier": 0.5, "clip": 0.5},
+        "secure_aggregation": {"kind": "secagg_plus"},
+        "train": {**BASE["train"], "dropout": 0.2},
+    },
+}
+
+
+@pytest.mark.parametrize("setting", sorted(PRIVATE))
+def test_private_runs_equal_sequential(cluster: str, setting: str) -> None:
+    """DP-SGD's per-client noise streams, DP-FedAvg's server noise and secure aggregation give
+    the same run on Ray as in this process."""
+    runs = {}
+    for name, executor in (
+        ("ray", {"kind": "ray", "address": cluster, "workers": 2}),
+        ("sequential", {"kind": "sequential"}),
+    ):
+        cfg = {**config("fedavg", executor), **PRIVATE[setting]}
+        runs[name] = fedloom.run(cfg, write=False, progress=False)
+    assert_same_run(runs["ray"], runs["sequential"])
+    assert runs["ray"].summary["privacy"] == runs["sequential"].summary["privacy"]
+
+
 def test_vectorized_inside_workers(cluster: str, recorded: Recorded) -> None:
     executor = {"kind": "ray", "address": cluster, "workers": 2, "chunk_size": 2}
     result = fedloom.run(config("fedprox", executor), write=False, progress=False)

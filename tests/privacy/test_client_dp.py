@@ -197,7 +197,7 @@ def test_adaptive_clip_settles_near_the_target_quantile(monkeypatch):
     cfg = parse_config(config)
     data = load_dataset(cfg.data, cfg.seed)
     engine = Engine(cfg, data, build_model("mlp", data.input_shape, data.num_outputs))
-    dp = engine.privacy
+    dp = engine.mechanisms.privacy
     assert dp is not None
     fractions: list[float] = []
     adapt = ClientLevelDP._adapt_clip
@@ -217,3 +217,20 @@ def test_a_run_with_adaptive_clipping_resumes_bit_for_bit(tmp_path):
     config["checkpoint"] = {"every": 1}
     full, resumed, _ = killed_and_resumed(config, tmp_path, crash_round=3)
     assert full.summary["privacy"]["clip"] == resumed.summary["privacy"]["clip"] != 1.0
+
+
+def test_noise_zero_without_secure_aggregation_equals_the_run_without_privacy():
+    """The issue's contract, under the conditions where DP-FedAvg's estimator is FedAvg's
+    (spec test 3): noise 0, a bound no update reaches, fixed-size sampling of every client,
+    equal client sizes (digits over 3 clients: 479 each). The release equals plain FedAvg's."""
+    private = dp_config(
+        {"noise_multiplier": 0.0, "clip": 1e6, "sampling": "fixed"}, clients_per_round=3
+    )
+    private["data"]["num_clients"] = 3
+    private["executor"] = {"kind": "sequential"}
+    plain = {k: v for k, v in private.items() if k != "privacy"}
+    a = fedloom.run(private, write=False, progress=False)
+    b = fedloom.run(plain, write=False, progress=False)
+    for key, value in a.global_params.items():
+        assert torch.allclose(value, b.global_params[key], atol=1e-6, rtol=0), key
+    assert a.summary["privacy"]["epsilon"] is None

@@ -131,6 +131,19 @@ def test_secure_aggregation_panel_and_aborted_rounds_alert(tmp_path):
     )
 
 
+def test_attack_panel_only_under_an_attack(tmp_path):
+    rows = make_rows(3)
+    assert 'id="attack"' not in write_report(make_run_dir(tmp_path / "plain", rows)).read_text()
+    for i, row in enumerate(rows):
+        row["attack"] = {
+            "malicious": 2,
+            "benign_global": {"accuracy": 0.5 + 0.1 * i},
+            "backdoor_success": 0.2 * i,
+        }
+    html = write_report(make_run_dir(tmp_path / "attacked", rows)).read_text()
+    assert 'id="fig-attack"' in html and "backdoor success" in html
+
+
 def test_a_diverging_client_update_norm(tmp_path):
     """One client's own update norm grows 20x (the median does not move): fires at that
     evaluation, naming it; a NaN norm fires too; the threshold is monitor.alerts'."""

@@ -10,13 +10,8 @@ import tenseal as ts
 
 from fedloom.secure.base import SecureAggregationAbort
 from fedloom.secure.ckks import CHUNK, CKKSAggregation
-from fedloom.secure.he_protocol import (
-    KEY_AUTHORITY,
-    SERVER,
-    DecryptionRefused,
-    DecryptRequest,
-    Transcript,
-)
+from fedloom.secure.he_protocol import KEY_AUTHORITY, DecryptionRefused, DecryptRequest
+from fedloom.secure.transcript import CLIENTS, SERVER, Transcript
 
 
 def client_vectors(n: int, d: int, seed: int = 0) -> dict[int, np.ndarray]:
@@ -36,7 +31,8 @@ def test_ckks_fedavg_close() -> None:
     assert np.max(np.abs(result.mean - plain / k)) <= 1e-6
     assert result.included == list(range(k))
     n_ct = -(-d // CHUNK)
-    assert result.bytes_up == agg.transcript.nbytes(sender="client:*", receiver=SERVER)
+    assert result.bytes_up == agg.transcript.bytes_up(round=0)
+    assert result.bytes_down == agg.transcript.bytes_down(round=0)
     assert 60 * n_ct * CHUNK * k < result.bytes_up < 120 * n_ct * CHUNK * k  # ~83 B/value
     assert set(result.seconds) >= {"encrypt", "aggregate", "decrypt", "total"}
 
@@ -88,7 +84,9 @@ def test_ckks_only_the_authority_can_decrypt() -> None:
     # fresh encryption noise each time: the same vector never gives the same ciphertext
     assert upload.ciphertexts != agg.client(0).upload(1, vectors[0]).ciphertexts
 
-    uploads = transcript.select(sender="client:*")
-    assert {(e.receiver, e.kind) for e in uploads} == {(SERVER, "CiphertextUpload")}
+    uploads = transcript.select(sender=CLIENTS)
+    assert {(e.receiver, e.kind, e.payload_types) for e in uploads} == {
+        (SERVER, "ciphertext_upload", frozenset({"bytes"}))
+    }
     to_ka = transcript.select(receiver=KEY_AUTHORITY)
-    assert [(e.round, e.sender, e.kind) for e in to_ka] == [(0, SERVER, "DecryptRequest")]
+    assert [(e.round, e.sender, e.kind) for e in to_ka] == [(0, SERVER, "decrypt_request")]

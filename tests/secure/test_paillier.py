@@ -12,12 +12,9 @@ from fedloom.secure.base import SecureAggregationAbort, SecureAggregationConfigE
 from fedloom.secure.encrypted_fedavg import PaillierAggregation
 from fedloom.secure.he_protocol import (
     KEY_AUTHORITY,
-    SERVER,
     CiphertextUpload,
-    DecryptedAggregate,
     DecryptionRefused,
     DecryptRequest,
-    Transcript,
 )
 from fedloom.secure.paillier import (
     FixedPoint,
@@ -33,6 +30,7 @@ from fedloom.secure.paillier import (
     slot_bits,
     sum_ciphertexts,
 )
+from fedloom.secure.transcript import CLIENTS, SERVER, Transcript
 
 CLIP, FRAC_BITS = 1.0, 16
 
@@ -59,7 +57,7 @@ def test_paillier_fedavg_exact(keypair: PaillierKeypair) -> None:
 
     q_sum = sum(agg.codec.encode(x) for x in vectors.values())
     assert np.array_equal(result.slot_sums, q_sum)
-    (answer,) = [m for m in transcript.messages if isinstance(m, DecryptedAggregate)]
+    (answer,) = [d.message for d in transcript.select(kind="decrypted_aggregate")]
     assert list(answer.plaintexts) == agg.packing.pack(q_sum)  # the packed integer sum, exact
     clipped_mean = np.mean([np.clip(x, -CLIP, CLIP) for x in vectors.values()], axis=0)
     assert np.max(np.abs(result.mean - clipped_mean)) <= 2.0**-FRAC_BITS
@@ -101,7 +99,7 @@ def test_packing_overflow_guard(keypair: PaillierKeypair) -> None:
         agg.sum(0, client_vectors(4, 10), {})
     with pytest.raises(SecureAggregationConfigError, match="max_weight=5"):
         agg.weighted_sum(0, client_vectors(3, 10), {0: 1, 1: 6, 2: 1})
-    assert not agg.transcript.select(sender="client:*")
+    assert not agg.transcript.select(sender=CLIENTS)
 
     # the sized slots hold the worst case: K uploads of the largest encoding at weight w_max
     packing, worst = agg.packing, 3 * 5 * (2 * agg.codec.offset)
@@ -155,14 +153,14 @@ def test_paillier_transcript_server_sees_only_ciphertexts(keypair: PaillierKeypa
     r0 = agg.sum(0, vectors, {})
     r1 = agg.sum(1, vectors, {3: "keys"})
 
-    uploads = transcript.select(receiver=SERVER, sender="client:*")
+    uploads = transcript.select(receiver=SERVER, sender=CLIENTS)
     assert len(uploads) == 4 + 3
-    assert {(e.kind, e.payload_types) for e in uploads} == {
-        ("CiphertextUpload", frozenset({"EncryptedNumber"}))
+    assert {(e.stage, e.kind, e.payload_types) for e in uploads} == {
+        ("upload", "ciphertext_upload", frozenset({"EncryptedNumber"}))
     }
-    for message in transcript.messages:
-        if isinstance(message, CiphertextUpload):
-            assert all(isinstance(c, phe_paillier.EncryptedNumber) for c in message.ciphertexts)
+    for e in uploads:
+        assert isinstance(e.message, CiphertextUpload)
+        assert all(isinstance(c, phe_paillier.EncryptedNumber) for c in e.message.ciphertexts)
     # the server holds public material only
     assert not any(
         isinstance(v, phe_paillier.PaillierPrivateKey | PaillierKeypair)
@@ -171,14 +169,28 @@ def test_paillier_transcript_server_sees_only_ciphertexts(keypair: PaillierKeypa
     # the key authority hears only from the server, once per round, and only the aggregate
     to_ka = transcript.select(receiver=KEY_AUTHORITY)
     assert [(e.round, e.sender, e.kind) for e in to_ka] == [
-        (0, SERVER, "DecryptRequest"),
-        (1, SERVER, "DecryptRequest"),
+        (0, SERVER, "decrypt_request"),
+        (1, SERVER, "decrypt_request"),
     ]
     n_ct = agg.packing.count(200)
     assert all(e.nbytes == n_ct * 256 for e in to_ka)
+    assert all(e.payload_types == {"EncryptedNumber"} for e in to_ka)
+    # and sends back only plaintexts, to the server alone
+    from_ka = transcript.select(sender=KEY_AUTHORITY)
+    assert {(e.receiver, e.kind) for e in from_ka} == {
+        (SERVER, "public_key"),
+        (SERVER, "decrypted_aggregate"),
+    }
     # bytes: uploads as counted in the results; the public key goes to each client once
-    assert r0.bytes_up + r1.bytes_up == transcript.nbytes(sender="client:*", receiver=SERVER)
-    assert r0.bytes_down == 4 * 128 and r1.bytes_down == 0
+    assert r0.bytes_up + r1.bytes_up == transcript.bytes_up()
+    assert (r0.bytes_up, r1.bytes_up) == (transcript.bytes_up(0), transcript.bytes_up(1))
+    assert r0.bytes_down == transcript.bytes_down(0) == 4 * 128
+    assert r1.bytes_down == transcript.bytes_down(1) == 0
+    assert transcript.bytes_by_stage(0) == {
+        "public_key": (0, 4 * 128),
+        "upload": (r0.bytes_up, 0),
+        "decryption": (0, 0),
+    }
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -16,9 +16,10 @@ from fedloom.secure.base import DropStage, SecureAggregationConfigError, SecureS
 from fedloom.secure.quantize import step
 from fedloom.secure.secagg import SecAgg, SecAggAbort, SecAggPlus
 from fedloom.secure.secagg_client import UnmaskRefused
-from fedloom.secure.secagg_messages import SERVER, MaskedInput, UnmaskRequest
+from fedloom.secure.secagg_messages import UnmaskRequest
 from fedloom.secure.secagg_round import SecAggRound
 from fedloom.secure.secagg_server import MessageRejected
+from fedloom.secure.transcript import CLIENTS, SERVER, client_id
 
 N, D, BITS, T, CLIP = 20, 10_000, 22, 11, 8.0
 ROUND = 3
@@ -80,9 +81,8 @@ def _masked_inputs(zero_value: int, full_value: int) -> tuple[np.ndarray, np.nda
     inputs[1] = np.full(D, full_value, dtype=np.uint32)
     result = _secagg().masked_sum(ROUND, inputs, {})
     ys = {
-        d.sender: d.message.y
-        for d in result.transcript.received_by(SERVER)
-        if isinstance(d.message, MaskedInput)
+        client_id(d.sender): d.message.y
+        for d in result.transcript.select(receiver=SERVER, kind="masked_input")
     }
     return ys[0], ys[1]
 
@@ -151,10 +151,9 @@ def test_secagg_never_both_shares() -> None:
     # an honest run never asks any client for both shares of one v
     result = SecAgg(CLIP, BITS, T, key_seed=1).masked_sum(ROUND, inputs, {5: "shares", 6: "keys"})
     b_asked, sk_asked = set(), set()
-    for d in result.transcript.received_by(SERVER):
-        if d.kind == "unmask_response":
-            b_asked |= set(d.message.b_shares)
-            sk_asked |= set(d.message.sk_shares)
+    for d in result.transcript.select(receiver=SERVER, kind="unmask_response"):
+        b_asked |= set(d.message.b_shares)
+        sk_asked |= set(d.message.sk_shares)
     assert sk_asked == {5}
     assert b_asked == set(result.included)
     assert not b_asked & sk_asked
@@ -181,14 +180,15 @@ def test_secagg_server_never_receives_an_unmasked_input() -> None:
     drops: dict[int, DropStage] = {2: "keys", 9: "shares", 13: "unmask"}
     senders = {u: q for u, q in inputs.items() if drops.get(u) not in ("keys", "shares")}
     result = protocol.masked_sum(ROUND, senders, drops)
-    received = result.transcript.received_by(SERVER)
+    received = result.transcript.select(receiver=SERVER)
     assert {d.kind for d in received} == {
         "advertise_keys",
         "share_keys",
         "masked_input",
         "unmask_response",
     }
-    assert all(d.sender != SERVER for d in received)
+    assert received == result.transcript.select(sender=CLIENTS, receiver=SERVER)
+    assert {d.round for d in result.transcript.deliveries} == {ROUND}
     ys = [d.message.y for d in received if d.kind == "masked_input"]
     assert len(ys) == len(senders)
     for y in ys:
@@ -203,7 +203,7 @@ def test_secagg_server_never_receives_an_unmasked_input() -> None:
             blob = b"".join(d.message.ciphertexts.values())
             assert not any(needle in blob for needle in needles)
     # bytes: every y_u is 4 bytes per coordinate plus its sender id
-    assert result.transcript.bytes_up >= len(senders) * (4 * D + 4)
+    assert result.transcript.bytes_up() >= len(senders) * (4 * D + 4)
     stage_bytes = result.transcript.bytes_by_stage()
     assert stage_bytes["masked_input"][0] == len(senders) * (4 * D + 4)
 
@@ -222,9 +222,8 @@ def test_secaggplus_exact_sum() -> None:
     assert result.included == sorted(senders)
     assert np.array_equal(result.total, _plain_sum(inputs, result.included))
     # only neighbours exchange shares: k encrypted share pairs per client at most
-    for d in result.transcript.received_by(SERVER):
-        if d.kind == "share_keys":
-            assert len(d.message.ciphertexts) <= k
+    for d in result.transcript.select(receiver=SERVER, kind="share_keys"):
+        assert len(d.message.ciphertexts) <= k
 
 
 def test_secaggplus_exact_sum_neighbourhood_below_t_aborts() -> None:

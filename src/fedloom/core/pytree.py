@@ -109,3 +109,20 @@ def num_bytes(tree: Mapping[str, torch.Tensor] | None) -> int:
 
 def sq_norm(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return sum((v.to(torch.float64) ** 2).sum() for v in tree.values() if v.is_floating_point())
+
+
+def flatten64(tree: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tensor:
+    """The tensors at ``keys``, in that order, as one float64 vector (robust rules and secure
+    aggregation work on these)."""
+    return torch.cat([tree[k].detach().double().reshape(-1) for k in keys])
+
+
+def unflatten(vector: torch.Tensor, like: Mapping[str, torch.Tensor], keys: Sequence[str]) -> Tree:
+    """``flatten64``'s inverse: ``vector`` cut into the shapes (and dtypes) of ``like[keys]``."""
+    out: Tree = {}
+    offset = 0
+    for k in keys:
+        ref = like[k]
+        out[k] = vector[offset : offset + ref.numel()].reshape(ref.shape).to(ref.dtype)
+        offset += ref.numel()
+    return out

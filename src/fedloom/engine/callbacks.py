@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedloom.attacks.backdoor import backdoor_success
+from fedloom.attacks.data import trigger_value
 from fedloom.core import pytree
 from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.core.rng import generator, seed_for
@@ -53,6 +55,8 @@ class Evaluation(Callback):
     def __init__(self) -> None:
         self.deployed: dict[int, pytree.Tree] = {}
         """Each client's deployed model at the latest evaluation (RunResult.client_params)."""
+        self.global_counts: list[EvalCounts] = []
+        """The global model on each client's held-out data at the latest evaluation."""
 
     def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
         if report.evaluate:
@@ -78,6 +82,7 @@ class Evaluation(Callback):
                 for c in data.clients
             ]
             row["global"] = pooled(global_counts, classification)
+        self.global_counts = global_counts
         deployed: dict[int, pytree.Tree] = {}
         for key, ids in (("personalized", engine.train_ids), ("new_clients", engine.new_ids)):
             if not ids:
@@ -207,6 +212,52 @@ class SecureAggregationLog(Callback):
     def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
         if report.evaluate:
             report.metrics["secure_aggregation"] = self.secure.progress()
+
+
+class AttackReport(Callback):
+    """Under a poisoning attack, on the evaluated rounds' rows (``attack``): the benign
+    clients' accuracy apart from the malicious ones', for the global model on their pooled
+    held-out data and for their deployed models (mean), and for a backdoor its success rate on
+    the global model (engine/mechanisms.py; attacks/)."""
+
+    def __init__(self, mechanisms: Any) -> None:
+        self.malicious = set(mechanisms.malicious)
+        self.attack = mechanisms.config.attack
+        self.last: dict[str, Any] = {}
+
+    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+        if not report.evaluate:
+            return
+        classification = engine.data.task == "classification"
+        benign = [c for c in engine.train_ids if c not in self.malicious]
+        row: dict[str, Any] = {"malicious": len(self.malicious)}
+        counts = engine.evaluation.global_counts
+        if counts:
+            row["benign_global"] = pooled([counts[c] for c in benign], classification)
+        accuracy = report.metrics.get("client_accuracy")
+        if accuracy and len(accuracy) == len(engine.train_ids):
+            by_client = dict(zip(engine.train_ids, accuracy, strict=True))
+            for name, ids in (("benign", benign), ("malicious", sorted(self.malicious))):
+                values = [by_client[c] for c in ids if by_client[c] is not None]
+                row[f"{name}_personalized_mean"] = sum(values) / len(values) if values else None
+        global_model = engine.algorithm.global_model(state.server)
+        if self.attack.kind == "backdoor" and global_model is not None:
+            trigger = self.attack.trigger
+            value = trigger.value if trigger.value is not None else trigger_value(engine.data)
+            row["backdoor_success"] = backdoor_success(
+                engine.model,
+                *global_model,
+                [engine.data.clients[c] for c in benign],
+                self.attack.target,
+                trigger.size,
+                value,
+            )
+        report.metrics["attack"] = row
+        self.last = row
+
+    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
+        if self.last:
+            summary["final"]["attack"] = self.last
 
 
 class MetricsLog(Callback):

@@ -6,20 +6,21 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fedloom.algorithms import ALGORITHMS, Algorithm, AlgorithmContext, ClientTask, build_algorithm
+from fedloom.algorithms import Algorithm, AlgorithmContext, ClientTask, build_algorithm
 from fedloom.config import RunConfig, check_client_counts
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, Message
 from fedloom.data.federated import FederatedData
 from fedloom.engine.callbacks import (
+    AttackReport,
     Callback,
     Checkpointing,
     ColdStart,
@@ -31,27 +32,21 @@ from fedloom.engine.callbacks import (
 )
 from fedloom.engine.dropout import dropouts, uploads
 from fedloom.engine.factory import make_executor
+from fedloom.engine.mechanisms import Aggregator, Mechanisms, UploadTransform
 from fedloom.engine.nonfinite import screen
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.sampling import POOLED_CLIENT, TrainingClients
+from fedloom.engine.sampling import TrainingClients
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
-from fedloom.engine.workload import full_budget, most_steps, straggler_steps
-from fedloom.errors import ConfigError, RunDirError
+from fedloom.engine.workload import full_budget, straggler_steps
+from fedloom.errors import ConfigError, RoundAborted, RunDirError
 from fedloom.models.base import FedModel
-from fedloom.privacy import ClientLevelDP, SampleLevelDP
-from fedloom.secure.aggregation import SecureAggregation, build_protocol
-from fedloom.secure.base import DropStage, SecureAggregationAbort
+from fedloom.privacy import SampleLevelDP
+from fedloom.secure.base import DropStage
 from fedloom.solvers.local import PlanMaker
 
 log = logging.getLogger(__name__)
-
-UploadTransform = Callable[[Message, int, int], Message]
-"""(upload, client_id, round) -> upload: clipping, noise, masking, encryption plug in here."""
-
-Aggregator = Callable[[list[pytree.Tree], list[float]], pytree.Tree]
-"""(trees, weights) -> tree: the server's aggregation rule (robust rules plug in here)."""
 
 
 @dataclass
@@ -81,10 +76,8 @@ class Engine:
         """``callbacks`` run after the built-in evaluation, monitoring and privacy accounting
         and before the metrics log and checkpoints (engine/callbacks.py)."""
         self.config = config
-        self.data = data
         self.run_dir = run_dir
         self.progress = progress
-        self.upload_transforms = list(upload_transforms or [])
         self.model = FunctionalModel(module, data.task)
         self.executor = make_executor(config.executor, self.model)
         train = config.train
@@ -93,24 +86,17 @@ class Engine:
         new = config.eval.new_clients
         self.train_ids = list(range(data.num_clients - new))
         self.new_ids = list(range(data.num_clients - new, data.num_clients))
-        self.privacy = self._privacy(len(self.train_ids))
-        if isinstance(self.privacy, ClientLevelDP):
-            aggregator = self.privacy.aggregate
-            self.upload_transforms.insert(0, self.privacy.clip_upload)
-        sample_dp = self.privacy if isinstance(self.privacy, SampleLevelDP) else None
-        self.secure = self._secure_aggregation()
-        if self.secure is not None:
-            if isinstance(self.privacy, ClientLevelDP):  # the DP sum of clipped updates
-                self.privacy.update_sum = self.secure.sum_updates
-            else:
-                aggregator = self.secure.aggregate
+        self.mechanisms = Mechanisms(config, data, module, self.train_ids)
+        self.data = self.mechanisms.data  # the malicious clients' poisoned, if any
+        self.upload_transforms = self.mechanisms.upload_transforms(upload_transforms or [])
+        sample_dp = self.mechanisms.sample_dp
         ctx = AlgorithmContext(
             model=self.model,
             seed=config.seed,
             num_clients=data.num_clients,
             lr=train.lr,
             batch_size=train.batch_size,
-            aggregate=aggregator,
+            aggregate=self.mechanisms.aggregator(aggregator),
             make_plan=PlanMaker(config.seed, train.batch_size, poisson=sample_dp is not None),
             rounds=train.rounds,
             population={c: data.clients[c].num_train for c in self.train_ids},
@@ -124,19 +110,20 @@ class Engine:
                 "DP-SGD steps"
             )
         self.training = TrainingClients.view(
-            data,
+            self.data,
             self.train_ids,
             train.clients_per_round,
             self.algorithm.pooled,
-            poisson=isinstance(self.privacy, ClientLevelDP)
-            and config.privacy.sampling == "poisson",
+            poisson=self.mechanisms.poisson_clients,
         )
         self.evaluation = Evaluation()
+        mechanisms = self.mechanisms
         self.callbacks: list[Callback] = [
             self.evaluation,
             *([HealthMonitor()] if config.monitor.enabled else []),
-            PrivacyAccounting([self.privacy, *self.upload_transforms]),
-            *([SecureAggregationLog(self.secure)] if self.secure is not None else []),
+            PrivacyAccounting([mechanisms.privacy, *self.upload_transforms]),
+            *([SecureAggregationLog(mechanisms.secure)] if mechanisms.secure is not None else []),
+            *([AttackReport(mechanisms)] if mechanisms.malicious else []),
             *(callbacks or []),
             MetricsLog(progress),
             Checkpointing(),
@@ -181,51 +168,8 @@ class Engine:
         self.run_dir.rewrite_metrics(state.history)
         if state.executor_choice and hasattr(self.executor, "choice"):
             self.executor.choice = state.executor_choice  # resume on the same executor
-        if self.privacy is not None and state.privacy:
-            self.privacy.load_state_dict(state.privacy)
-        if self.secure is not None and state.secure:
-            self.secure.load_state_dict(state.secure)
+        self.mechanisms.load_state_dict(state.mechanisms)
         return state
-
-    def _secure_aggregation(self) -> SecureAggregation | None:
-        """The run's secure aggregation (``secure_aggregation``), or None."""
-        cfg = self.config.secure_aggregation
-        if cfg.kind == "none":
-            return None
-        buffers = [n for n, _ in self.model.module.named_buffers()]
-        if buffers:
-            raise ConfigError(
-                f"secure_aggregation.kind: {cfg.kind} sums one vector of parameters per client "
-                f"and round; the model's buffers ({', '.join(buffers)}) would need a second sum:"
-                " use a model without normalization statistics"
-            )
-        per_round = self.config.train.clients_per_round or len(self.train_ids)
-        protocol = build_protocol(cfg, self.config.seed, max(2, per_round * 2))
-        return SecureAggregation(cfg, protocol)
-
-    def _privacy(self, num_train: int) -> ClientLevelDP | SampleLevelDP | None:
-        """The run's differential-privacy mechanism (``privacy``), or None."""
-        cfg = self.config
-        kind = cfg.privacy.kind
-        if kind == "none":
-            return None
-        buffers = [n for n, _ in self.model.module.named_buffers()]
-        if buffers:
-            raise ConfigError(
-                f"privacy.kind: {kind} cannot release the model's buffers ({', '.join(buffers)})"
-                " without noise: use a model without normalization statistics"
-            )
-        if kind == "sample_dp":
-            train = cfg.train
-            population = {c: self.data.clients[c].num_train for c in self.train_ids}
-            if ALGORITHMS.get(cfg.algorithm.name).pooled:  # one virtual client of all data
-                population = {POOLED_CLIENT: sum(population.values())}
-            most = {c: most_steps(train, c, n) * train.rounds for c, n in population.items()}
-            return SampleLevelDP(cfg.privacy, population, train.batch_size, most)
-        assert cfg.train.clients_per_round is not None  # checked when parsed
-        return ClientLevelDP(
-            cfg.privacy, cfg.seed, num_train, cfg.train.clients_per_round, cfg.train.rounds
-        )
 
     def _threads(self) -> int | None:
         """This process's intra-op threads for the run (engine/threads.py, run_threads)."""
@@ -278,12 +222,11 @@ class Engine:
         new = [c for c in clients if c not in state.clients]
         state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
         message = algorithm.server_message(state.server, round)
-        if self.privacy is not None:
-            self.privacy.start_round(round, message)
+        self.mechanisms.start_round(round, message)
         # clients that vanish before uploading do no work (engine/dropout.py)
         tasks = self.tasks_for_round(round, [c for c in clients if uploads(drops.get(c))])
-        if isinstance(self.privacy, SampleLevelDP):  # each client's data, once per step
-            self.privacy.record({t.client_id: len(t.plan) for t in tasks})
+        if isinstance(self.mechanisms.privacy, SampleLevelDP):  # each client's data, per step
+            self.mechanisms.privacy.record({t.client_id: len(t.plan) for t in tasks})
         results = self.executor.run_round(
             algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
         )
@@ -305,10 +248,7 @@ class Engine:
         if results:  # every sampled client dropped out: the server keeps its state
             up, down = self._aggregate(round, state, message, results, drops, up, down)
         state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
-        if self.privacy is not None:
-            state.privacy = self.privacy.state_dict()
-        if self.secure is not None:
-            state.secure = self.secure.state_dict()
+        state.mechanisms = self.mechanisms.state_dict()
         state.round = round
         evaluate = round % cfg.eval.every == 0 or round == cfg.train.rounds
         seconds = time.perf_counter() - tick
@@ -324,22 +264,16 @@ class Engine:
         up: int,
         down: int,
     ) -> tuple[int, int]:
-        """The server step on ``results``; with secure aggregation through its protocol, whose
-        bytes replace the uploads' (returned: the round's bytes up and down). A protocol round
-        that aborts (too few survivors) leaves the server's state as it was."""
-        secure = self.secure
-        if secure is None:
-            state.server = self.algorithm.aggregate(state.server, results)
-            return up, down
-        secure.begin(round, message, [r.client_id for r in results], drops)
+        """The server step on ``results`` (returned: the round's bytes up and down, secure
+        aggregation's protocol traffic when it is on). A round whose server step cannot be
+        taken (secure aggregation below its threshold, too few clients for a robust rule)
+        leaves the server's state as it was."""
+        self.mechanisms.before_aggregate(round, message, results, drops)
         try:
             state.server = self.algorithm.aggregate(state.server, results)
-        except SecureAggregationAbort as err:
-            log.warning(
-                "round %d: secure aggregation aborted, the model is unchanged: %s", round, err
-            )
-            return up, down
-        return secure.last["bytes_up"], down + secure.last["bytes_down"]
+        except RoundAborted as err:
+            log.warning("round %d: no server step, the model is unchanged: %s", round, err)
+        return self.mechanisms.round_bytes(up, down)
 
     def summary(self, state: RunState) -> dict[str, Any]:
         """summary.json (DESIGN.md 3.5) from the state at the end of the run; the callbacks
@@ -369,10 +303,7 @@ class Engine:
         }
         if last.get("new_clients"):
             summary["final"]["new_clients"] = last["new_clients"]
-        if self.privacy is not None:
-            summary["privacy"] = self.privacy.summary()
-        if self.secure is not None:
-            summary["secure_aggregation"] = self.secure.summary()
+        summary.update(self.mechanisms.summary())
         accuracy = last.get("client_accuracy")
         if accuracy and len(accuracy) == len(self.train_ids):
             # each client's deployed (personalized) model on its own held-out data

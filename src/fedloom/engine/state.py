@@ -28,11 +28,10 @@ class RunState:
     """Client results left out as non-finite (``train.nonfinite: drop``)."""
     executor_choice: str | None = None
     """``auto``'s choice, so that a resumed run continues on the same executor."""
-    privacy: dict[str, Any] = field(default_factory=dict)
-    """The privacy mechanism's own state (adaptive clipping's current bound, DP-SGD's steps
-    per client)."""
-    secure: dict[str, Any] = field(default_factory=dict)
-    """Secure aggregation's counters (rounds completed and aborted, bytes)."""
+    mechanisms: dict[str, Any] = field(default_factory=dict)
+    """The state of the run's mechanisms (engine/mechanisms.py) by name: ``privacy``
+    (adaptive clipping's bound, DP-SGD's steps per client), ``secure`` (secure aggregation's
+    counters), ``robust`` (skipped rounds)."""
 
     def checkpoint(self) -> dict[str, Any]:
         return {
@@ -45,8 +44,7 @@ class RunState:
             "elapsed": self.elapsed,
             "dropped_nonfinite": self.dropped_nonfinite,
             "executor_choice": self.executor_choice,
-            "privacy": self.privacy,
-            "secure": self.secure,
+            "mechanisms": self.mechanisms,
         }
 
     @classmethod
@@ -62,8 +60,8 @@ class RunState:
             elapsed=saved["elapsed"],
             dropped_nonfinite=saved.get("dropped_nonfinite", 0),
             executor_choice=saved.get("executor_choice"),
-            privacy=saved.get("privacy") or {},
-            secure=saved.get("secure") or {},
+            mechanisms=saved.get("mechanisms")
+            or ({"privacy": saved["privacy"]} if saved.get("privacy") else {}),  # before 0.2
         )
 
 

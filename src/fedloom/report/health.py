@@ -249,3 +249,36 @@ def secure_aggregation_panel(run: RunData) -> Panel:
 
 def has_secure_aggregation(run: RunData) -> bool:
     return any(v is not None for v in run.series("secure_aggregation", "bytes_up"))
+
+
+def attack_panel(run: RunData) -> Panel:
+    """Under a poisoning attack: the benign clients' accuracy (global model on their data,
+    their deployed models' mean) next to the malicious clients', and a backdoor's success."""
+    kind = dig(run.summary, "attack", "kind") or "attack"
+    panel = Panel(
+        "attack",
+        f"Under attack ({kind})",
+        "Accuracy of the benign clients apart from the malicious ones (global model on the "
+        "benign clients' held-out data; deployed models' mean), and the backdoor's success "
+        "rate on the global model when the attack is a backdoor.",
+        wide=False,
+    )
+    fig = go.Figure()
+    lines = (
+        (("attack", "benign_global", "accuracy"), "benign, global", GLOBAL, "solid"),
+        (("attack", "benign_personalized_mean"), "benign, deployed", PERSONAL, "solid"),
+        (("attack", "malicious_personalized_mean"), "malicious, deployed", TRAIN, "dot"),
+        (("attack", "backdoor_success"), "backdoor success", DOWN, "dash"),
+    )
+    for keys, name, color, dash in lines:
+        values = run.series(*keys)
+        if any(v is not None for v in values):
+            fig.add_trace(round_line(run, values, name, color, dash=dash, hover="%{y:.3f}"))
+    round_layout(fig, run, y_title="rate")
+    panel.figure = fig
+    return panel
+
+
+def has_attack(run: RunData) -> bool:
+    return any(v is not None for v in run.series("attack", "malicious"))
+

@@ -26,4 +26,5 @@ def build_panels(run: RunData) -> list[Panel]:
         health.resources_panel(run),
         *([health.privacy_panel(run)] if health.has_privacy(run) else []),
         *([health.secure_aggregation_panel(run)] if health.has_secure_aggregation(run) else []),
+        *([health.attack_panel(run)] if health.has_attack(run) else []),
     ]

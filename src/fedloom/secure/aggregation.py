@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from fedloom.core.pytree import flatten64, unflatten
 from fedloom.secure.base import DropStage, SecureAggregationAbort, SecureSum
 
 if TYPE_CHECKING:
@@ -86,19 +87,8 @@ def build_protocol(config: SecureAggregationConfig, seed: int, max_clients: int)
 
 
 def flatten(tree: Mapping[str, torch.Tensor], keys: Sequence[str]) -> np.ndarray:
-    """The tensors at ``keys`` in order, as one float64 vector."""
-    return np.concatenate([tree[k].detach().double().reshape(-1).numpy() for k in keys])
-
-
-def unflatten(vector: np.ndarray, like: Mapping[str, torch.Tensor], keys: Sequence[str]) -> Tree:
-    out: Tree = {}
-    offset = 0
-    for k in keys:
-        ref = like[k]
-        n = ref.numel()
-        out[k] = torch.from_numpy(vector[offset : offset + n].copy()).reshape(ref.shape)
-        offset += n
-    return out
+    """The tensors at ``keys`` in order, as one float64 NumPy vector (the protocols' input)."""
+    return flatten64(tree, keys).numpy()
 
 
 class SecureAggregation:
@@ -146,10 +136,7 @@ class SecureAggregation:
         }
         total = self._sum(vectors)
         mean = total[:-1] / total[-1] if total[-1] > 0 else np.zeros(len(base))
-        return {
-            k: (anchor[k].double() + v).to(anchor[k].dtype)
-            for k, v in unflatten(mean, anchor, keys).items()
-        }
+        return unflatten(torch.from_numpy(base + mean), anchor, keys)
 
     def sum_updates(self, trees: Sequence[Tree], anchor: Tree) -> Tree:
         """sum_k (tree_k - anchor) through the protocol (client-level DP's sum of clipped
@@ -159,7 +146,8 @@ class SecureAggregation:
         vectors = {
             c: flatten(tree, keys) - base for c, tree in zip(self.clients, trees, strict=True)
         }
-        return unflatten(self._sum(vectors), anchor, keys)
+        float64 = {k: v.double() for k, v in anchor.items()}
+        return unflatten(torch.from_numpy(self._sum(vectors)), float64, keys)
 
     def _anchor_for(self, trees: Sequence[Tree]) -> Tree:
         anchor = self.anchor

@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from fedloom.errors import FedloomInputError
+from fedloom.errors import FedloomInputError, RoundAborted
 
 DropStage = Literal["keys", "shares", "unmask"]
 """When a sampled client vanishes in a round:
@@ -26,7 +26,7 @@ CKKS, plain) read ``keys``/``shares`` as "never uploaded" and ``unmask`` as "upl
 DROP_STAGES: tuple[DropStage, ...] = ("keys", "shares", "unmask")
 
 
-class SecureAggregationAbort(RuntimeError):
+class SecureAggregationAbort(RoundAborted):
     """The round's protocol cannot finish (too few clients survive for the threshold): no
     output is produced for the round. Never a wrong sum."""
 

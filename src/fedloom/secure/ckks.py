@@ -21,16 +21,17 @@ from typing import Any
 import numpy as np
 import tenseal as ts
 
-from fedloom.secure.base import SecureAggregationAbort, SecureAggregationConfigError
+from fedloom.secure.base import SecureAggregationConfigError
 from fedloom.secure.he_protocol import (
+    AggregatingServer,
     CiphertextUpload,
     DecryptedAggregate,
     DecryptionPolicy,
     DecryptionRecord,
     DecryptRequest,
     EncryptedAggregation,
-    Transcript,
 )
+from fedloom.secure.transcript import Transcript
 
 POLY_MODULUS_DEGREE = 8192
 COEFF_MOD_BIT_SIZES = (60, 40, 40, 60)
@@ -101,46 +102,25 @@ class CKKSClient:
         return CiphertextUpload(round, self.client, chunks, weight)
 
 
-class CKKSServer:
+class CKKSServer(AggregatingServer):
     """Holds the public context only: adds uploads (each times its weight) chunk by chunk."""
 
     def __init__(self, public_context: ts.Context) -> None:
+        super().__init__()
         self.public_context = public_context
-        self._round: int | None = None
-        self._aggregate: list[Any] | None = None
-        self._contributors: list[int] = []
-        self._weight_sum = 0
 
-    def begin(self, round: int) -> None:
-        self._round, self._aggregate = round, None
-        self._contributors, self._weight_sum = [], 0
-
-    def receive(self, upload: CiphertextUpload) -> None:
-        if upload.round != self._round:
-            raise SecureAggregationAbort(
-                f"upload for round {upload.round} arrived in round {self._round}"
-            )
+    def fold(self, aggregate: list[Any] | None, upload: CiphertextUpload) -> list[Any]:
         chunks = [ts.ckks_vector_from(self.public_context, c) for c in upload.ciphertexts]
         if upload.weight != 1:
             chunks = [c * float(upload.weight) for c in chunks]
-        if self._aggregate is None:
-            self._aggregate = chunks
-        else:
-            for total, chunk in zip(self._aggregate, chunks, strict=True):
-                total.add_(chunk)
-        self._contributors.append(upload.client)
-        self._weight_sum += upload.weight
+        if aggregate is None:
+            return chunks
+        for total, chunk in zip(aggregate, chunks, strict=True):
+            total.add_(chunk)
+        return aggregate
 
-    @property
-    def weight_sum(self) -> int:
-        return self._weight_sum
-
-    def decrypt_request(self) -> DecryptRequest:
-        if self._aggregate is None or self._round is None:
-            raise SecureAggregationAbort("no uploads to aggregate")
-        return DecryptRequest(
-            self._round, tuple(self._contributors), tuple(c.serialize() for c in self._aggregate)
-        )
+    def serialize(self, aggregate: list[Any]) -> tuple[Any, ...]:
+        return tuple(c.serialize() for c in aggregate)
 
 
 class CKKSAggregation(EncryptedAggregation):

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedloom.secure.base import SecureAggregationAbort
 from fedloom.secure.he_protocol import (
+    AggregatingServer,
     CiphertextUpload,
     DecryptedAggregate,
     DecryptionPolicy,
     DecryptionRecord,
     DecryptRequest,
     EncryptedAggregation,
-    Transcript,
 )
 from fedloom.secure.paillier import (
     DEFAULT_KEY_BITS,
@@ -45,6 +44,7 @@ from fedloom.secure.paillier import (
     scale_ciphertexts,
     slot_bits,
 )
+from fedloom.secure.transcript import Transcript
 
 
 class PaillierKeyAuthority:
@@ -86,43 +86,24 @@ class PaillierClient:
         return CiphertextUpload(round, self.client, tuple(ciphertexts), weight)
 
 
-class PaillierServer:
+class PaillierServer(AggregatingServer):
     """Holds only public material: folds uploads into the encrypted aggregate (each ⊗ its
     weight), asks the authority for its plaintext, unpacks and decodes it."""
 
     def __init__(self, public_key: PublicKey, codec: FixedPoint, packing: SlotPacking) -> None:
+        super().__init__()
         self.public_key = public_key
         self.codec = codec
         self.packing = packing
-        self._round: int | None = None
-        self._aggregate: list[Ciphertext] | None = None
-        self._contributors: list[int] = []
-        self._weight_sum = 0
 
-    def begin(self, round: int) -> None:
-        self._round, self._aggregate = round, None
-        self._contributors, self._weight_sum = [], 0
-
-    def receive(self, upload: CiphertextUpload) -> None:
-        if upload.round != self._round:
-            raise SecureAggregationAbort(
-                f"upload for round {upload.round} arrived in round {self._round}"
-            )
+    def fold(
+        self, aggregate: list[Ciphertext] | None, upload: CiphertextUpload
+    ) -> list[Ciphertext]:
         weighted = scale_ciphertexts(upload.ciphertexts, upload.weight)
-        self._aggregate = (
-            weighted if self._aggregate is None else add_ciphertexts(self._aggregate, weighted)
-        )
-        self._contributors.append(upload.client)
-        self._weight_sum += upload.weight
+        return weighted if aggregate is None else add_ciphertexts(aggregate, weighted)
 
-    @property
-    def weight_sum(self) -> int:
-        return self._weight_sum
-
-    def decrypt_request(self) -> DecryptRequest:
-        if self._aggregate is None or self._round is None:
-            raise SecureAggregationAbort("no uploads to aggregate")
-        return DecryptRequest(self._round, tuple(self._contributors), tuple(self._aggregate))
+    def serialize(self, aggregate: list[Ciphertext]) -> tuple[Ciphertext, ...]:
+        return tuple(aggregate)
 
     def decode(self, answer: DecryptedAggregate, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(Σ n_k x_k as float64, Σ n_k q_k as integers) from the authority's answer."""

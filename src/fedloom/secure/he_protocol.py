@@ -1,14 +1,16 @@
 """The round protocol shared by the homomorphic-encryption aggregators (spec §5): roles,
-messages, transcript, the key authority's policy and the round driver.
+messages, the key authority's policy and the round driver.
 
 Three roles exchange explicit messages: clients encrypt under the key authority's public key
 and upload to the server; the server combines ciphertexts and asks the key authority (KA) to
 decrypt the round aggregate; the KA, the only holder of the secret key, decrypts at most once
 per round and only requests that declare at least ``min_contributors`` clients, and logs each
-decryption (:class:`DecryptionPolicy`). Every message goes through a :class:`Transcript`, so a
-test can check who saw what. The KA cannot verify that the declared contributors really are
-in the ciphertext: a server colluding with the KA, or one that sends a single client's
-ciphertext with a made-up contributor list, defeats it (spec §5, Key custody).
+decryption (:class:`DecryptionPolicy`). Every message is recorded in a
+:class:`~fedloom.secure.transcript.Transcript` (parties ``server``, ``key_authority`` and
+``client:<id>``; stages ``public_key``, ``upload``, ``decryption``), so a test can check who
+saw what. The KA cannot verify that the declared contributors really are in the ciphertext:
+a server colluding with the KA, or one that sends a single client's ciphertext with a made-up
+contributor list, defeats it (spec §5, Key custody).
 
 :class:`EncryptedAggregation` runs one round (``SecureSum.sum`` and a weighted variant); the
 backends (Paillier: ``encrypted_fedavg``; CKKS: ``ckks``) supply the three roles and the sizes.
@@ -20,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -31,122 +33,74 @@ from fedloom.secure.base import (
     SecureAggregationConfigError,
     SecureSumResult,
 )
+from fedloom.secure.transcript import SERVER, Transcript, client_party
 
-SERVER = "server"
 KEY_AUTHORITY = "key_authority"
+"""The key authority's party name in transcripts."""
 SETUP_ROUND = -1
 """Round id of the messages sent once at setup (the KA publishing its public key)."""
-
-
-def client_role(client: int) -> str:
-    return f"client:{client}"
+PUBLIC_KEY, UPLOAD, DECRYPTION = "public_key", "upload", "decryption"
+"""The stages of a round in the transcript."""
 
 
 @dataclass(frozen=True)
 class PublicKeyMessage:
     """KA -> server -> client: the public key (or public context) to encrypt under."""
 
+    kind: ClassVar[str] = "public_key"
     round: int
     public_key: Any
+
+    @property
+    def payload(self) -> tuple[Any, ...]:
+        return (self.public_key,)
 
 
 @dataclass(frozen=True)
 class CiphertextUpload:
     """Client -> server: the client's encrypted vector and its public integer weight."""
 
+    kind: ClassVar[str] = "ciphertext_upload"
     round: int
     client: int
     ciphertexts: tuple[Any, ...]
     weight: int = 1
+
+    @property
+    def payload(self) -> tuple[Any, ...]:
+        return self.ciphertexts
 
 
 @dataclass(frozen=True)
 class DecryptRequest:
     """Server -> KA: the round aggregate and the clients the server declares are in it."""
 
+    kind: ClassVar[str] = "decrypt_request"
     round: int
     contributors: tuple[int, ...]
     ciphertexts: tuple[Any, ...]
+
+    @property
+    def payload(self) -> tuple[Any, ...]:
+        return self.ciphertexts
 
 
 @dataclass(frozen=True)
 class DecryptedAggregate:
     """KA -> server: the plaintext of the round aggregate (packed integers or floats)."""
 
+    kind: ClassVar[str] = "decrypted_aggregate"
     round: int
     contributors: tuple[int, ...]
     plaintexts: Any
 
-
-@dataclass(frozen=True)
-class TranscriptEntry:
-    """One message: who sent what kind of payload to whom, and its serialised size."""
-
-    round: int
-    sender: str
-    receiver: str
-    kind: str
-    nbytes: int
-    payload_types: frozenset[str]
+    @property
+    def payload(self) -> tuple[Any, ...]:
+        items = self.plaintexts
+        return tuple(items) if isinstance(items, tuple | list) else (items,)
 
 
-@dataclass
-class Transcript:
-    """Records every message between roles; ``keep_messages`` also keeps the objects (tests
-    only: a round's ciphertexts can be gigabytes)."""
-
-    keep_messages: bool = False
-    entries: list[TranscriptEntry] = field(default_factory=list)
-    messages: list[Any] = field(default_factory=list)
-
-    def send(self, sender: str, receiver: str, message: Any, nbytes: int) -> Any:
-        """Record ``message`` from ``sender`` to ``receiver`` and hand it over."""
-        self.entries.append(
-            TranscriptEntry(
-                round=message.round,
-                sender=sender,
-                receiver=receiver,
-                kind=type(message).__name__,
-                nbytes=int(nbytes),
-                payload_types=_payload_types(message),
-            )
-        )
-        if self.keep_messages:
-            self.messages.append(message)
-        return message
-
-    def select(
-        self, round: int | None = None, sender: str | None = None, receiver: str | None = None
-    ) -> list[TranscriptEntry]:
-        """Entries matching the given round and role names (a trailing ``*`` is a prefix)."""
-        return [
-            e
-            for e in self.entries
-            if (round is None or e.round == round)
-            and _role_matches(e.sender, sender)
-            and _role_matches(e.receiver, receiver)
-        ]
-
-    def nbytes(self, **selection: Any) -> int:
-        return sum(e.nbytes for e in self.select(**selection))
-
-
-def _role_matches(role: str, pattern: str | None) -> bool:
-    if pattern is None:
-        return True
-    if pattern.endswith("*"):
-        return role.startswith(pattern[:-1])
-    return role == pattern
-
-
-def _payload_types(message: Any) -> frozenset[str]:
-    for name in ("ciphertexts", "plaintexts", "public_key"):
-        payload = getattr(message, name, None)
-        if payload is None:
-            continue
-        items = payload if isinstance(payload, tuple | list) else (payload,)
-        return frozenset(type(item).__name__ for item in items)
-    return frozenset()
+HEMessage = PublicKeyMessage | CiphertextUpload | DecryptRequest | DecryptedAggregate
 
 
 class DecryptionRefused(SecureAggregationAbort):
@@ -260,15 +214,49 @@ class ClientRole(Protocol):
     def upload(self, round: int, x: np.ndarray, weight: int = 1) -> CiphertextUpload: ...
 
 
-class ServerRole(Protocol):
+class AggregatingServer(ABC):
+    """The server role both HE backends share: it holds only public material and folds each
+    upload of the round, times its weight, into the encrypted aggregate (``fold``), then asks
+    the key authority to decrypt that aggregate (``decrypt_request``)."""
+
+    def __init__(self) -> None:
+        self._round: int | None = None
+        self._aggregate: Any = None
+        self._contributors: list[int] = []
+        self._weight_sum = 0
+
+    @abstractmethod
+    def fold(self, aggregate: Any, upload: CiphertextUpload) -> Any:
+        """The aggregate with ``upload`` (times its weight) added; ``aggregate`` None: the
+        round's first upload."""
+
+    @abstractmethod
+    def serialize(self, aggregate: Any) -> tuple[Any, ...]:
+        """The aggregate's ciphertexts as the decryption request carries them."""
+
+    def begin(self, round: int) -> None:
+        self._round, self._aggregate = round, None
+        self._contributors, self._weight_sum = [], 0
+
+    def receive(self, upload: CiphertextUpload) -> None:
+        if upload.round != self._round:
+            raise SecureAggregationAbort(
+                f"upload for round {upload.round} arrived in round {self._round}"
+            )
+        self._aggregate = self.fold(self._aggregate, upload)
+        self._contributors.append(upload.client)
+        self._weight_sum += upload.weight
+
     @property
-    def weight_sum(self) -> int: ...
+    def weight_sum(self) -> int:
+        return self._weight_sum
 
-    def begin(self, round: int) -> None: ...
-
-    def receive(self, upload: CiphertextUpload) -> None: ...
-
-    def decrypt_request(self) -> DecryptRequest: ...
+    def decrypt_request(self) -> DecryptRequest:
+        if self._aggregate is None or self._round is None:
+            raise SecureAggregationAbort("no uploads to aggregate")
+        return DecryptRequest(
+            self._round, tuple(self._contributors), self.serialize(self._aggregate)
+        )
 
 
 class EncryptedAggregation(ABC):
@@ -281,7 +269,7 @@ class EncryptedAggregation(ABC):
     """
 
     key_authority: KeyAuthorityRole
-    server: ServerRole
+    server: AggregatingServer
     transcript: Transcript
     max_weight: int | None
 
@@ -331,9 +319,8 @@ class EncryptedAggregation(ABC):
     def publish_key(self) -> None:
         """Setup: the key authority hands its public key to the server."""
         public_key, nbytes = self.public_key_message()
-        self.transcript.send(
-            KEY_AUTHORITY, SERVER, PublicKeyMessage(SETUP_ROUND, public_key), nbytes
-        )
+        message = PublicKeyMessage(SETUP_ROUND, public_key)
+        self._record(PUBLIC_KEY, message, KEY_AUTHORITY, SERVER, nbytes)
 
     def _run(
         self,
@@ -368,7 +355,7 @@ class EncryptedAggregation(ABC):
             seconds["encrypt"] += time.perf_counter() - tick
             nbytes = self.message_bytes(upload)
             bytes_up += nbytes
-            self.transcript.send(client_role(client), SERVER, upload, nbytes)
+            self._record(UPLOAD, upload, client_party(client), SERVER, nbytes)
             tick = time.perf_counter()
             self.server.receive(upload)
             seconds["aggregate"] += time.perf_counter() - tick
@@ -376,11 +363,11 @@ class EncryptedAggregation(ABC):
         tick = time.perf_counter()
         request = self.server.decrypt_request()
         seconds["aggregate"] += time.perf_counter() - tick
-        self.transcript.send(SERVER, KEY_AUTHORITY, request, self.message_bytes(request))
+        self._record(DECRYPTION, request, SERVER, KEY_AUTHORITY, self.message_bytes(request))
         tick = time.perf_counter()
         answer = self.key_authority.decrypt(request)
         seconds["decrypt"] = time.perf_counter() - tick
-        self.transcript.send(KEY_AUTHORITY, SERVER, answer, self.message_bytes(answer))
+        self._record(DECRYPTION, answer, KEY_AUTHORITY, SERVER, self.message_bytes(answer))
         tick = time.perf_counter()
         total, slot_sums = self.decode(answer, length)
         seconds["decode"] = time.perf_counter() - tick
@@ -401,9 +388,20 @@ class EncryptedAggregation(ABC):
         sent = 0
         for client in clients:
             if client not in self._clients_with_key:
-                self.transcript.send(
-                    SERVER, client_role(client), PublicKeyMessage(round, public_key), nbytes
-                )
+                message = PublicKeyMessage(round, public_key)
+                self._record(PUBLIC_KEY, message, SERVER, client_party(client), nbytes)
                 self._clients_with_key.add(client)
                 sent += nbytes
         return sent
+
+    def _record(
+        self, stage: str, message: HEMessage, sender: str, receiver: str, nbytes: int
+    ) -> None:
+        self.transcript.record(
+            message,
+            round=message.round,
+            stage=stage,
+            sender=sender,
+            receiver=receiver,
+            nbytes=nbytes,
+        )

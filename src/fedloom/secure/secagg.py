@@ -6,9 +6,9 @@ SecAgg masks every pair of clients (complete graph, O(n d + n^2) per client); Se
 neighbours in a random k-regular Harary graph (O(k d + k^2)). Both implement the
 semi-honest protocol (no signatures, no consistency round) in one process: role objects
 (``secagg_client``, ``secagg_server``) exchange explicit messages (``secagg_messages``)
-through a recorded round (``secagg_round``). Keys are fresh X25519 keys every round;
-``key_seed`` derives them from a seed instead, for tests only (the sum is bit-exact either
-way, so results are reproducible without it).
+through a round (``secagg_round``) that records them in a ``transcript``. Keys are fresh
+X25519 keys every round; ``key_seed`` derives them from a seed instead, for tests only (the
+sum is bit-exact either way, so results are reproducible without it).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from fedloom.secure.secagg_graph import (
     default_threshold,
     harary_graph,
 )
-from fedloom.secure.secagg_messages import Transcript
 from fedloom.secure.secagg_round import MaskedSum, SecAggRound
+from fedloom.secure.transcript import Transcript
 
 SecAggAbort = SecureAggregationAbort
 """The spec's name for ``SecureAggregationAbort``."""
@@ -128,8 +128,8 @@ class _PairwiseMasking:
         return SecureSumResult(
             total=total,
             included=result.included,
-            bytes_up=transcript.bytes_up,
-            bytes_down=transcript.bytes_down,
+            bytes_up=transcript.bytes_up(),
+            bytes_down=transcript.bytes_down(),
             seconds=seconds,
         )
 

@@ -1,5 +1,5 @@
-"""The messages of SecAgg's four rounds (Bonawitz et al. CCS'17, Figure 4) and a transcript
-that records every delivery: who sent what kind of message to whom, and its size.
+"""The messages of SecAgg's four rounds (Bonawitz et al. CCS'17, Figure 4); each has a ``kind``
+and its size ``nbytes`` for the round's transcript (``transcript``).
 
 Sizes count the payload as it would go on the wire: 4 bytes per client id, 32 per public key,
 168 per encrypted share pair (12-byte nonce, 8 bytes of ids, two 66-byte Shamir shares,
@@ -9,13 +9,11 @@ Sizes count the payload as it would go on the wire: 4 bytes per client id, 32 pe
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-SERVER = -1
-"""The server's party id in transcripts (clients are >= 0)."""
 ID_BYTES = 4
 PUBLIC_KEY_BYTES = 32
 
@@ -126,59 +124,3 @@ Message = (
     | UnmaskRequest
     | UnmaskResponse
 )
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One message delivered: the round's stage, sender and receiver (``SERVER`` or a client
-    id), the message kind and size, and the message itself (None when not kept)."""
-
-    stage: str
-    sender: int
-    receiver: int
-    kind: str
-    nbytes: int
-    message: Message | None = field(repr=False, compare=False)
-
-
-class Transcript:
-    """Every message of a round, in delivery order. ``keep_messages=False`` keeps only the
-    metadata (kind and size), for long runs that only count bytes."""
-
-    def __init__(self, keep_messages: bool = True) -> None:
-        self.keep_messages = keep_messages
-        self.deliveries: list[Delivery] = []
-
-    def record(self, stage: str, sender: int, receiver: int, message: Message) -> None:
-        kept = message if self.keep_messages else None
-        self.deliveries.append(
-            Delivery(stage, sender, receiver, message.kind, message.nbytes, kept)
-        )
-
-    def received_by(self, party: int) -> list[Delivery]:
-        return [d for d in self.deliveries if d.receiver == party]
-
-    def sent_by(self, party: int) -> list[Delivery]:
-        return [d for d in self.deliveries if d.sender == party]
-
-    @property
-    def bytes_up(self) -> int:
-        """Bytes the clients sent to the server."""
-        return sum(d.nbytes for d in self.deliveries if d.receiver == SERVER)
-
-    @property
-    def bytes_down(self) -> int:
-        """Bytes the server sent to the clients."""
-        return sum(d.nbytes for d in self.deliveries if d.sender == SERVER)
-
-    def bytes_by_stage(self) -> dict[str, tuple[int, int]]:
-        """Stage -> (bytes up, bytes down)."""
-        totals: dict[str, tuple[int, int]] = {}
-        for d in self.deliveries:
-            up, down = totals.get(d.stage, (0, 0))
-            if d.receiver == SERVER:
-                up += d.nbytes
-            else:
-                down += d.nbytes
-            totals[d.stage] = (up, down)
-        return totals

@@ -20,18 +20,17 @@ from fedloom.secure.base import DROP_STAGES, DropStage
 from fedloom.secure.secagg_client import SecAggClient
 from fedloom.secure.secagg_graph import Graph
 from fedloom.secure.secagg_messages import (
-    SERVER,
     AdvertiseKeys,
     ForwardedShares,
     KeyList,
     MaskedInput,
     Message,
     ShareKeys,
-    Transcript,
     UnmaskRequest,
     UnmaskResponse,
 )
 from fedloom.secure.secagg_server import SecAggServer
+from fedloom.secure.transcript import SERVER, Transcript, client_party
 
 ClientMessage = AdvertiseKeys | ShareKeys | MaskedInput | UnmaskResponse
 PHASES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
@@ -53,7 +52,8 @@ class SecAggRound:
     for every client that reaches MaskedInput); ``drops``: client -> stage at which it
     vanishes; ``graph``: client -> neighbours over all the round's clients; ``threshold``: t.
     Run it with :meth:`run`, or phase by phase (tests use ``clients`` and ``server``);
-    ``key_lists``, ``forwarded`` and ``requests`` hold what the server last sent each client."""
+    ``key_lists``, ``forwarded`` and ``requests`` hold what the server last sent each client.
+    ``transcript``: where messages are recorded (by default a fresh one that keeps them)."""
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class SecAggRound:
         _check_inputs(inputs, drops, self.participants)
         self.inputs = inputs
         self.drops = drops
-        self.transcript = transcript if transcript is not None else Transcript()
+        self.transcript = transcript if transcript is not None else Transcript(keep_messages=True)
         start = time.perf_counter()
         self.clients = {  # each generates its key pairs: part of AdvertiseKeys
             u: SecAggClient(u, round, graph[u], threshold, key_seed) for u in self.participants
@@ -88,12 +88,17 @@ class SecAggRound:
         return [u for u in self.participants if self.drops.get(u) not in gone]
 
     def _up(self, stage: str, msg: ClientMessage, receive: Callable[[Any], None]) -> None:
-        self.transcript.record(stage, msg.sender, SERVER, msg)
+        self._record(stage, client_party(msg.sender), SERVER, msg)
         receive(msg)
 
     def _down(self, stage: str, messages: Mapping[int, Message]) -> None:
         for u, msg in messages.items():
-            self.transcript.record(stage, SERVER, u, msg)
+            self._record(stage, SERVER, client_party(u), msg)
+
+    def _record(self, stage: str, sender: str, receiver: str, msg: Message) -> None:
+        self.transcript.record(
+            msg, round=self.round, stage=stage, sender=sender, receiver=receiver, nbytes=msg.nbytes
+        )
 
     def advertise_keys(self) -> None:
         """Round 0: every client advertises; the server answers with the key lists."""
