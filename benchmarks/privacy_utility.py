@@ -26,7 +26,7 @@ from typing import Any
 
 import fedloom
 
-NOISE = {"client_dp": (0.5, 1.0, 2.0), "sample_dp": (0.7, 1.0, 1.5)}
+NOISE = {"client_dp": (0.5, 1.0, 2.0), "sample_dp": (1.0, 1.5, 3.0)}
 TRAIN = {"client_dp": {"batch_size": 32, "lr": 0.05}, "sample_dp": {"batch_size": 64, "lr": 0.5}}
 PARTITIONS = {"iid": {"kind": "iid"}, "dirichlet_0.3": {"kind": "dirichlet", "alpha": 0.3}}
 

@@ -133,6 +133,7 @@ def main() -> None:
     }
     out["backdoor"] = backdoor
     print("\nBackdoor (3x3 trigger -> class 0), success rate and benign accuracy per rule\n")
+    print("| rule | backdoor success | benign accuracy |\n| --- | --- | --- |")
     for rname, row in backdoor.items():
         print(f"| {rname} | {row['backdoor_success']:.3f} | {row['global']:.3f} |")
     print(json.dumps(out))

@@ -5,11 +5,11 @@ from fedloom.engine.threads import default_openmp_wait
 
 default_openmp_wait()
 
-from fedloom import data  # noqa: E402
+from fedloom import audit, data  # noqa: E402  (audit: a callable package, fedloom.audit(...))
 from fedloom.api import run  # noqa: E402
 from fedloom.config import RunConfig  # noqa: E402
 from fedloom.engine.loop import RunResult  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["RunConfig", "RunResult", "__version__", "data", "run"]
+__all__ = ["RunConfig", "RunResult", "__version__", "audit", "data", "run"]

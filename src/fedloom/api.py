@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from fedloom.audit.auditor import audit
 from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
 from fedloom.data import FederatedData, load_dataset, resolve_data_config
 from fedloom.engine.loop import Engine, RunResult
@@ -59,6 +60,28 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def _vertical(config: Any) -> Any:
+    """A vertical run's config (raw mapping or parsed), or None for a horizontal one."""
+    if config is None or isinstance(config, RunConfig):
+        return None
+    from fedloom.vertical.config import is_vertical_config
+
+    raw = load_yaml(config) if isinstance(config, str | Path) else config
+    return raw if is_vertical_config(raw) else None
+
+
+def _run_vertical(config: Any, data: Any, out: str | Path | None, write: bool) -> RunResult:
+    """Vertical and transfer FL (docs/vertical.md): its own runner, the same run directory."""
+    from fedloom.vertical.run import run_vertical
+
+    result = run_vertical(config, out=out, write=write, data=data)
+    if result.run_dir is not None:
+        from fedloom.report import write_report
+
+        write_report(result.run_dir.path)
+    return result
+
+
 def run(
     config: RunConfig | dict[str, Any] | str | Path | None = None,
     *,
@@ -76,9 +99,16 @@ def run(
     ``runs/<algorithm>-<dataset>-<time>``); ``resume`` continues a run directory from its last
     checkpoint; ``write=False`` keeps everything in memory.
     """
+    vertical = _vertical(config)
+    if vertical is not None:
+        if resume is not None or model is not None:
+            raise ConfigError("a vertical run takes neither resume nor model (docs/vertical.md)")
+        return _run_vertical(vertical, data, out, write)
     run_dir: RunDir | None = None
     if resume is not None:
         run_dir = RunDir.open_existing(resume)
+        if _vertical(load_yaml(run_dir.config_path)) is not None:
+            raise RunDirError(f"{run_dir.path} is a vertical run: those do not resume")
         cfg = _check_resume(run_dir, None if config is None else resolve_config(config))
     else:
         cfg = resolve_defaults(resolve_config(config), custom_data=data is not None)
@@ -108,4 +138,4 @@ def run(
     return result
 
 
-__all__ = ["ConfigError", "RunResult", "run"]
+__all__ = ["ConfigError", "RunResult", "audit", "run"]

@@ -66,7 +66,10 @@ def run(
         cfg = None
         if config is not None or set_:
             raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
-            cfg = parse_config(apply_overrides(raw, set_ or []))
+            raw = apply_overrides(raw, set_ or [])
+            from fedloom.vertical.config import is_vertical_config
+
+            cfg = raw if is_vertical_config(raw) else parse_config(raw)
         if resume is not None and out is not None:
             raise FedloomInputError(
                 "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
@@ -121,6 +124,51 @@ def report(
         _fail(err, debug)
         return
     typer.echo(str(path))
+
+
+@app.command()
+def audit(
+    run_dir: Annotated[Path, typer.Argument(help="a finished run directory")],
+    attack: Annotated[
+        str, typer.Option(help="loss | shadow (membership inference) | dlg (gradient inversion)")
+    ] = "loss",
+    out: Annotated[
+        Path | None, typer.Option(help="the page to write (default RUN_DIR/audit.html)")
+    ] = None,
+    client: Annotated[
+        int | None, typer.Option(help="dlg: the client attacked (default: first)")
+    ] = None,
+    members: Annotated[int, typer.Option(help="members (and non-members) per target")] = 500,
+    defences: Annotated[
+        bool, typer.Option(help="also measure seed 004's defences (or, for dlg, noise/pruning)")
+    ] = False,
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """Privacy audit of a finished run: membership inference on the global and each client's
+    deployed model (RUN_DIR/audit.json, audit.html), or DLG against a client's gradient."""
+    from fedloom.api import audit as audit_api
+
+    try:
+        doc = audit_api(run_dir, attack, out, client=client, members=members, defences=defences)
+    except Exception as err:
+        _fail(err, debug)
+        return
+    result = doc["attacks"][attack]
+    if attack == "dlg":
+        for r in result["reconstructions"]:
+            psnr = "inf" if r["psnr"] is None else f"{r['psnr']:.1f}"
+            typer.echo(f"{r['method']:>8} defence {r['defence']:<15} PSNR {psnr} dB")
+    else:
+        glob, mean = result.get("global"), result["client_mean"]
+        if glob:
+            typer.echo(
+                f"global model AUC {glob['auc']:.4f}, TPR@1%FPR {glob['tpr_at_1pct_fpr']:.4f}"
+            )
+        typer.echo(
+            f"deployed models AUC mean {mean['auc']:.4f}, TPR@1%FPR mean "
+            f"{mean['tpr_at_1pct_fpr']:.4f} ({len(result['clients'])} clients)"
+        )
+    typer.echo(str(out or run_dir / "audit.html"))
 
 
 @app.command()

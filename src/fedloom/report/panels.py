@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedloom.report import figures, health
+from fedloom.report import figures, health, vertical
 from fedloom.report.figures import Panel
 from fedloom.report.rundir import RunData, dig, num
 
@@ -11,6 +11,8 @@ def build_panels(run: RunData) -> list[Panel]:
     """All figure slots of the report, in page order, grouped as the seed's monitoring table
     (convergence health, personalization, heterogeneity, resources). The cold-start slot is
     there only for runs that hold clients out (``eval.new_clients`` > 0)."""
+    if vertical.is_vertical(run):  # vertical and transfer runs: their own panels
+        return vertical.build_panels(run)
     held_out = num(dig(run.config, "eval", "new_clients")) or (run.summary or {}).get("cold_start")
     return [
         figures.accuracy_panel(run),

@@ -12,7 +12,13 @@ Spec: ``privacy_secagg.md`` §5. Nothing here is FedAvg-specific, so the vertica
   below 2^(bits(n) − 2) <= n/2, so sums never wrap modulo n;
 - :func:`encrypt_packed` / :func:`decrypt_packed` (``raw_encrypt`` / ``raw_decrypt``: phe's
   ``encrypt`` of an int only accepts |m| <= n/3), :func:`add_ciphertexts` (⊕) and
-  :func:`scale_ciphertexts` (⊗ a public non-negative integer).
+  :func:`scale_ciphertexts` (⊗ a public non-negative integer);
+- signed integers (vertical FL, ``vertical_transfer.md`` §1 "Encoding and masks"): a plaintext
+  m with |m| < n/2 is stored as m mod n (:func:`encrypt_ints`) and read back by the centred
+  lift to (−n/2, n/2] (:func:`decrypt_ints`); :func:`linear_combination` (Σ w_i ⊗ [[m_i]] for
+  public signed integers w_i), :func:`subtract_ciphertexts` and :func:`rerandomize` (a fresh
+  r^n factor, so that a ciphertext derived from someone's own ciphertexts reveals nothing
+  through its randomness when sent back to them).
 
 All modular arithmetic is phe's; this module only arranges integers.
 """
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from phe import paillier
+from phe.util import invert, mulmod, powmod
 
 from fedloom.secure.base import SecureAggregationConfigError
 
@@ -251,3 +258,71 @@ def scale_ciphertexts(vector: Sequence[Ciphertext], weight: int) -> list[Ciphert
     if weight == 1:
         return list(vector)
     return [c * int(weight) for c in vector]
+
+
+def encrypt_ints(public_key: PublicKey, values: Iterable[int]) -> list[Ciphertext]:
+    """[[m]] (exponent 0, fresh randomness each) of signed integers |m| < n/2, stored mod n."""
+    n = public_key.n
+    out = []
+    for m in values:
+        m = int(m)
+        if 2 * abs(m) >= n:
+            raise PackingOverflowError(f"|m| >= n/2 ({m.bit_length()} bits): cannot be encrypted")
+        out.append(Ciphertext(public_key, public_key.raw_encrypt(m % n), 0))
+    return out
+
+
+def decrypt_ints(private_key: PrivateKey, ciphertexts: Iterable[Ciphertext]) -> list[int]:
+    """The signed plaintexts: the centred lift of ``raw_decrypt`` to (−n/2, n/2]."""
+    n = private_key.public_key.n
+    out = []
+    for c in ciphertexts:
+        m = private_key.raw_decrypt(c.ciphertext(be_secure=False))
+        out.append(m - n if 2 * m > n else m)
+    return out
+
+
+def linear_combination(ciphertexts: Sequence[Ciphertext], weights: Sequence[int]) -> Ciphertext:
+    """[[Σ_i w_i m_i]] for public signed integer weights w_i (zero weights cost nothing):
+    Π_i c_i^{w_i} mod n², a negative weight as a power of the inverse ciphertext."""
+    if len(ciphertexts) != len(weights) or not ciphertexts:
+        raise ValueError(
+            f"linear_combination needs as many weights ({len(weights)}) as ciphertexts "
+            f"({len(ciphertexts)}), at least one"
+        )
+    public_key = ciphertexts[0].public_key
+    nsquare = public_key.nsquare
+    acc = 1
+    for c, w in zip(ciphertexts, weights, strict=True):
+        w = int(w)
+        if w == 0:
+            continue
+        raw = c.ciphertext(be_secure=False)
+        if w < 0:
+            raw, w = invert(raw, nsquare), -w
+        acc = mulmod(acc, raw if w == 1 else powmod(raw, w, nsquare), nsquare)
+    return Ciphertext(public_key, int(acc), 0)
+
+
+def subtract_ciphertexts(a: Sequence[Ciphertext], b: Sequence[Ciphertext]) -> list[Ciphertext]:
+    """Elementwise [[x]] ⊖ [[y]] = [[x − y]] (a ciphertext times the inverse of the other)."""
+    if len(a) != len(b):
+        raise ValueError(f"cannot subtract ciphertext vectors of lengths {len(a)} and {len(b)}")
+    out = []
+    for x, y in zip(a, b, strict=True):
+        nsquare = x.public_key.nsquare
+        raw = mulmod(
+            x.ciphertext(be_secure=False), invert(y.ciphertext(be_secure=False), nsquare), nsquare
+        )
+        out.append(Ciphertext(x.public_key, int(raw), x.exponent))
+    return out
+
+
+def rerandomize(ciphertexts: Iterable[Ciphertext]) -> list[Ciphertext]:
+    """Copies multiplied by a fresh r^n (same plaintexts, unlinkable randomness)."""
+    out = []
+    for c in ciphertexts:
+        fresh = Ciphertext(c.public_key, c.ciphertext(be_secure=False), c.exponent)
+        fresh.obfuscate()
+        out.append(fresh)
+    return out
