@@ -63,12 +63,14 @@ class Mechanisms:
         )
         buffers = [n for n, _ in module.named_buffers()]
         self.privacy = self._privacy(buffers)
-        self.secure = self._secure(buffers, per_round)
+        self.secure = self._secure(buffers)
         self.robust = (
             RobustAggregation(config.aggregator, config.seed, config.byzantine_f(per_round))
             if config.aggregator.kind != "mean"
             else None
         )
+        if isinstance(self.privacy, ClientLevelDP) and self.secure is not None:
+            self.privacy.update_sum = self.secure.sum_updates  # DP's sum of clipped updates
 
     # -- what the engine builds the run with --------------------------------------------------
     @property
@@ -93,8 +95,6 @@ class Mechanisms:
         """The server's rule: client-level DP's noised estimator (over secure aggregation's sum
         when both are on), secure aggregation's, a robust rule's, or ``default``."""
         if isinstance(self.privacy, ClientLevelDP):
-            if self.secure is not None:
-                self.privacy.update_sum = self.secure.sum_updates
             return self.privacy.aggregate
         if self.secure is not None:
             return self.secure.aggregate
@@ -181,7 +181,7 @@ class Mechanisms:
             cfg.privacy, cfg.seed, len(self.train_ids), train.clients_per_round, train.rounds
         )
 
-    def _secure(self, buffers: list[str], per_round: int) -> SecureAggregation | None:
+    def _secure(self, buffers: list[str]) -> SecureAggregation | None:
         cfg = self.config.secure_aggregation
         if cfg.kind == "none":
             return None
@@ -191,5 +191,6 @@ class Mechanisms:
                 f"and round; the model's buffers ({', '.join(buffers)}) would need a second sum:"
                 " use a model without normalization statistics"
             )
-        protocol = build_protocol(cfg, self.config.seed, max(2, per_round * 2))
+        # a round holds at most every training client (Poisson sampling may exceed its mean)
+        protocol = build_protocol(cfg, self.config.seed, max(2, len(self.train_ids)))
         return SecureAggregation(cfg, protocol)

@@ -72,7 +72,6 @@ def private_grad(
     (module docstring), and the mean loss over its real samples. ``batch.draws`` holds the
     step's standard normal noise (None: no noise, as sigma = 0); ``expected_batch`` is the
     client's q n (``DPSGD.expected_batch``; a tensor under vmap, one per client)."""
-    std = dp.noise_multiplier * dp.clip
     if batch.x.shape[0] == 0:  # a Poisson step that sampled nothing: noise alone
         grads = {k: torch.zeros_like(v) for k, v in params.items()}
         loss = params[next(iter(params))].new_zeros(())
@@ -94,11 +93,8 @@ def private_grad(
         factor = (dp.clip / (sq.sqrt() + NORM_EPS)).clamp(max=1.0) * batch.w / expected_batch
         grads = {k: torch.tensordot(factor, g, dims=1) for k, g in per_sample.items()}
         loss = (losses * batch.w).sum() / batch.w.sum().clamp_min(1.0)
-        if batch.draws is None or std == 0:
-            return grads, loss
+    std = dp.noise_multiplier * dp.clip
     if batch.draws is not None and std > 0:
         scale = std / expected_batch
         grads = {k: g + batch.draws[k] * scale for k, g in grads.items()}
-    else:
-        grads = {k: g / expected_batch for k, g in grads.items()}
     return grads, loss
