@@ -7,4 +7,4 @@ export FEDLOOM_DATA=${FEDLOOM_DATA:-../shared/data}
 export FEDLOOM_OFFLINE=1
 .venv/bin/ruff check src tests benchmarks examples
 .venv/bin/lint-imports  # the layers and no import cycles (pyproject.toml, [tool.importlinter])
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=25 "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,10 @@ from torch import nn
 
 from fedloom.audit.auditor import audit
 from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
+from fedloom.core.functional import FunctionalModel
 from fedloom.data import FederatedData, load_dataset, resolve_data_config
+from fedloom.engine.callbacks import Callback
+from fedloom.engine.executor import Executor
 from fedloom.engine.loop import Engine, RunResult
 from fedloom.engine.rundir import RunDir, default_run_dir
 from fedloom.errors import ConfigError, RunDirError
@@ -82,6 +86,28 @@ def _run_vertical(config: Any, data: Any, out: str | Path | None, write: bool) -
     return result
 
 
+def _rl(config: Any) -> Any:
+    """An RL run's config (raw mapping or parsed, docs/rl.md), or None."""
+    if config is None or isinstance(config, RunConfig):
+        return None
+    from fedloom.rl.config import is_rl_config
+
+    raw = load_yaml(config) if isinstance(config, str | Path) else config
+    return raw if is_rl_config(raw) else None
+
+
+def _run_rl(config: Any, out: str | Path | None, write: bool, resume: Any) -> RunResult:
+    """Federated reinforcement learning (docs/rl.md): its own runner, the same run directory."""
+    from fedloom.rl.run import run_rl
+
+    result = run_rl(config, out=out, write=write, resume=resume)
+    if result.run_dir is not None:
+        from fedloom.report import write_report
+
+        write_report(result.run_dir.path)
+    return result
+
+
 def run(
     config: RunConfig | dict[str, Any] | str | Path | None = None,
     *,
@@ -91,14 +117,24 @@ def run(
     resume: str | Path | None = None,
     progress: bool | None = None,
     write: bool = True,
+    executor: Callable[[FunctionalModel], Executor] | None = None,
+    callbacks: list[Callback] | None = None,
 ) -> RunResult:
     """Run one experiment and return its summary, history and models.
 
     ``config`` is a path, a dict or a RunConfig (None: the embedded default). ``data`` and
     ``model`` replace the configured dataset and model. ``out`` is the run directory (default
     ``runs/<algorithm>-<dataset>-<time>``); ``resume`` continues a run directory from its last
-    checkpoint; ``write=False`` keeps everything in memory.
+    checkpoint; ``write=False`` keeps everything in memory. ``executor(model)`` makes the
+    executor instead of the config (the Flower adapter's, which sends clients' work to nodes).
+    ``callbacks`` run around the round loop (engine/callbacks.py; ``fedloom tune``'s reporter).
     """
+    saved = Path(resume) / "config.yaml" if resume is not None else None
+    rl = _rl(config) if saved is None else _rl(load_yaml(saved)) if saved.is_file() else None
+    if rl is not None:
+        if data is not None or model is not None:
+            raise ConfigError("an RL run takes neither data nor model (docs/rl.md)")
+        return _run_rl(config if resume is not None else rl, out, write, resume)
     vertical = _vertical(config)
     if vertical is not None:
         if resume is not None or model is not None:
@@ -112,24 +148,35 @@ def run(
         cfg = _check_resume(run_dir, None if config is None else resolve_config(config))
     else:
         cfg = resolve_defaults(resolve_config(config), custom_data=data is not None)
-    if model is None:
+    if model is None and cfg.peft is None:
         MODELS.get(cfg.model.name)
     if data is None:
         data = load_dataset(cfg.data, cfg.seed)
-    module = (
-        model
-        if model is not None
-        else build_model(cfg.model.name, data.input_shape, data.num_outputs)
-    )
+    if model is not None:
+        module = model
+    elif cfg.peft is not None:  # a frozen pretrained transformer with PEFT (docs/peft.md)
+        from fedloom.peft import build_peft_model
+
+        module = build_peft_model(cfg, data.num_outputs)
+    else:
+        module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
     if progress is None:
         progress = sys.stderr.isatty()
-    engine = Engine(cfg, data, module, run_dir=run_dir, progress=progress)  # validates first
+    engine = Engine(  # validates first
+        cfg, data, module, run_dir=run_dir, progress=progress, callbacks=callbacks
+    )
+    if executor is not None:
+        engine.executor = executor(engine.model)
     if resume is None and write:
         run_dir = engine.run_dir = RunDir.create(
             out or default_run_dir(cfg.algorithm.name, data.name)
         )
         _save_inputs(run_dir, cfg, data)
     result = engine.run(resume=resume is not None)
+    if cfg.serving.route != "none":  # the router's accuracy beside each model's (serving/)
+        from fedloom.serving import add_routing
+
+        add_routing(engine, result)
     if run_dir is not None:
         run_dir.write_json("summary.json", result.summary)
         from fedloom.report import write_report

@@ -67,9 +67,11 @@ def run(
         if config is not None or set_:
             raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
             raw = apply_overrides(raw, set_ or [])
+            from fedloom.rl.config import is_rl_config
             from fedloom.vertical.config import is_vertical_config
 
-            cfg = raw if is_vertical_config(raw) else parse_config(raw)
+            own_runner = is_vertical_config(raw) or is_rl_config(raw)
+            cfg = raw if own_runner else parse_config(raw)
         if resume is not None and out is not None:
             raise FedloomInputError(
                 "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
@@ -93,6 +95,20 @@ def run(
         )
     elif pers.get("loss_mean") is not None:
         lines.append(f"personalized loss mean {pers['loss_mean']:.6g}")
+    routing = (s.get("serving") or {}).get("routing")
+    if routing:  # docs/serving.md
+        lines.append(
+            f"routed accuracy mean {routing['routed']['accuracy_mean']:.4f} (personal "
+            f"{routing['personal']['accuracy_mean']:.4f}, global "
+            f"{routing['global']['accuracy_mean']:.4f}, "
+            f"{routing['personal_share']:.0%} to personal)"
+        )
+    elif pers.get("return_mean") is not None:  # RL (docs/rl.md)
+        unseen = final.get("return_unseen_mean")
+        lines.append(
+            f"greedy return: training environments {pers['return_mean']:.1f}"
+            + (f", unseen {unseen:.1f}" if unseen is not None else "")
+        )
     comm = s["communication"]
     lines.append(
         f"bytes up {comm['bytes_up']:,}  down {comm['bytes_down']:,}  "
@@ -241,6 +257,126 @@ def dashboard(
         return
     except Exception as err:
         _fail(err, debug)
+
+
+@app.command()
+def tune(
+    config: Annotated[
+        Path | None, typer.Argument(help="base YAML config; omit for the embedded default")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a key: --set train.rounds=5")
+    ] = None,
+    space: Annotated[
+        Path | None, typer.Option(help="search space YAML: dotted keys -> distributions")
+    ] = None,
+    trials: Annotated[int, typer.Option(min=1, help="finished trials the search ends with")] = 20,
+    out: Annotated[
+        Path | None, typer.Option(help="search directory (the same one continues a search)")
+    ] = None,
+    pruner: Annotated[str, typer.Option(help="hyperband | sha | none")] = "hyperband",
+    seed: Annotated[int | None, typer.Option(help="sampler seed (default: the config's)")] = None,
+    metric: Annotated[
+        str, typer.Option(help="dotted key of a metrics row, e.g. validation.global.accuracy")
+    ] = "auto",
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """Search hyperparameters (Optuna TPE with Hyperband or successive halving over rounds) on
+    a validation split; writes tune.html, trials.json and the best config (docs/tune.md)."""
+    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml
+    from fedloom.errors import ConfigError
+
+    try:
+        if space is None:
+            raise ConfigError("--space SPACE.yaml is required (docs/tune.md)")
+        if pruner not in ("hyperband", "sha", "none"):
+            raise ConfigError(f"--pruner {pruner!r}: expected hyperband, sha or none")
+        from fedloom.tune import load_space
+        from fedloom.tune import tune as tune_api
+
+        raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
+        raw = apply_overrides(raw, set_ or [])
+        result = tune_api(
+            raw,
+            load_space(space),
+            trials,
+            out=out,
+            pruner=pruner,  # type: ignore[arg-type]
+            seed=seed,
+            metric=metric,
+            log=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
+        )
+    except (Exception, KeyboardInterrupt) as err:
+        if isinstance(err, KeyboardInterrupt):
+            err_console.print("interrupted; the same command continues the search")
+            raise typer.Exit(130) from None
+        _fail(err, debug)
+        return
+    s = result.summary
+    lines = [f"search directory: {result.out}"]
+    if s["best"] is not None:
+        params = ", ".join(f"{k}={v}" for k, v in s["best"]["params"].items())
+        best = f"best trial {s['best']['number']}: {s['metric']} {s['best']['value']:.6g}"
+        lines.append(f"{best} ({params})")
+        lines.append(f"best config: {result.out / s['best']['config']}")
+    lines.append(
+        f"rounds spent {s['rounds_spent']} of {s['rounds_without_pruning']} without pruning "
+        f"({s['trials']['complete']} complete, {s['trials']['pruned']} pruned)"
+    )
+    lines.append(str(result.out / "tune.html"))
+    typer.echo("\n".join(lines))
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a finished run directory (with serving)")],
+    out: Annotated[
+        Path | None, typer.Option(help="export directory (default RUN_DIR/export)")
+    ] = None,
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """Write the run's deployable models (global, EMA, best, each client's) as safetensors
+    with a JSON card (docs/serving.md)."""
+    try:
+        from fedloom.serving import export_run
+
+        card = export_run(run_dir, out)
+    except Exception as err:
+        _fail(err, debug)
+        return
+    typer.echo(str(card))
+
+
+@app.command()
+def flower(
+    config: Annotated[
+        Path | None, typer.Argument(help="YAML config; omit for the embedded default experiment")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a key: --set train.rounds=5")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="run directory (must not exist)")] = None,
+    num_cpus: Annotated[int | None, typer.Option(help="CPUs of Flower's Ray runtime")] = None,
+    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+) -> None:
+    """Run an experiment on Flower's simulation engine, one node per client, and write its run
+    directory as `run` does (pip install 'fedloom[flower]'; docs/flower.md)."""
+    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml
+
+    try:
+        from fedloom.flower import run_simulation
+
+        raw = apply_overrides(load_yaml(config) if config else DEFAULT_EXPERIMENT, set_ or [])
+        result = run_simulation(raw, out=out, write=True, num_cpus=num_cpus)
+    except (Exception, KeyboardInterrupt) as err:
+        _fail(err, debug)
+        return
+    s, glob = result.summary, result.summary["final"].get("global") or {}
+    typer.echo(
+        f"run directory: {result.run_dir.path if result.run_dir else '-'}\n"
+        + (f"global accuracy {glob['accuracy']:.4f}\n" if glob.get("accuracy") is not None else "")
+        + f"{s['seconds_per_round']:.3f} s/round on Flower's simulation"
+    )
 
 
 def _show_warning(

@@ -33,6 +33,7 @@ from pydantic import (
 
 from fedloom.algorithms import ALGORITHMS, AlgorithmConfig, parse_algorithm_config
 from fedloom.core.validation import format_validation_error
+from fedloom.data.missing import MissingFeatures
 from fedloom.errors import ConfigError
 
 
@@ -46,6 +47,11 @@ class DataConfig(StrictModel):
     num_clients: int | None = Field(default=None, ge=1)
     partition: dict[str, Any] | None = None
     test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    missing: MissingFeatures | None = None
+    """Clients lacking input features: {kind: columns | regions, fraction, clients}
+    (data/missing.py, docs/missing_features.md)."""
+    max_length: int | None = Field(default=None, ge=1)
+    """Text datasets (bbc_news): tokens per sample, padded or truncated (default 32)."""
     options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -73,6 +79,49 @@ class DataConfig(StrictModel):
 
 class ModelConfig(StrictModel):
     name: str = "mlp"
+    freeze: bool = True
+    """Pretrained models (minilm, tiny_bert): the backbone stays frozen; only the ``peft``
+    parameters and the head train (docs/peft.md)."""
+
+
+PEFT_MODELS = ("minilm", "tiny_bert")
+LORA_TARGETS = ("query", "key", "value", "attention_output", "intermediate", "output")
+
+
+class PeftConfig(StrictModel):
+    """Parameter-efficient fine-tuning of a frozen pretrained transformer (docs/peft.md)."""
+
+    kind: Literal["lora", "adapter", "prompt"] = "lora"
+    r: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0.0)
+    targets: list[str] = Field(default_factory=lambda: ["query", "value"], min_length=1)
+    share: Literal["a", "b", "both", "ffa", "flora", "fedex"] = "a"
+    """lora: which factors the server aggregates (a: FedSA-LoRA, b personal; b: A personal;
+    both: FedIT; ffa: A frozen, B shared; flora: stacking; fedex: residual)."""
+    rank_by_size: bool = False
+    """HetLoRA with the seed's rule r_k = floor(r log(n_k + 1) / log(n_max + 1)) (share both)."""
+    head: Literal["shared", "personal"] = "shared"
+    bottleneck: int = Field(default=16, ge=1)
+    prompt_length: int = Field(default=8, ge=0)
+    personal_prompt_length: int = Field(default=0, ge=0)
+    aggregation: Literal["spherical", "mean"] = "spherical"
+    """prompt: the server's rule for the shared prompt (spherical mean or weighted mean)."""
+
+    @model_validator(mode="after")
+    def _combinations(self) -> PeftConfig:
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad:
+            raise ConfigError(
+                f"peft.targets: unknown {', '.join(bad)}; allowed: {', '.join(LORA_TARGETS)}"
+            )
+        if self.rank_by_size and (self.kind != "lora" or self.share != "both"):
+            raise ConfigError(
+                "peft.rank_by_size: HetLoRA's ranks need kind: lora and share: both "
+                f"(got kind: {self.kind}, share: {self.share})"
+            )
+        if self.kind == "prompt" and self.prompt_length + self.personal_prompt_length == 0:
+            raise ConfigError("peft.prompt_length: prompt tuning needs at least one prompt token")
+        return self
 
 
 class WorkDistribution(StrictModel):
@@ -166,6 +215,11 @@ class EvalConfig(StrictModel):
     adapt_lr: float | None = Field(default=None, gt=0)
     """Cold start step size (default: the algorithm's own, e.g. Per-FedAvg's alpha, else
     train.lr)."""
+    validation_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Share of each training client's train set held out as its validation set, which no
+    client trains on (data/validation.py). Metrics rows then get a ``validation`` entry:
+    what hyperparameter search, keeping the best model and contribution evaluation read,
+    so that the test sets stay untouched."""
 
     @field_validator("adaptation_steps")
     @classmethod
@@ -179,6 +233,9 @@ class CheckpointConfig(StrictModel):
     every: int | None = Field(default=10, ge=1)
     keep: int = Field(default=2, ge=1)
 
+
+EXACT_SHAPLEY_MAX = 12
+"""contribution.kind exact: the most clients a round (2^12 coalition models)."""
 
 DEFAULT_BUDGET = 2 * 2**30
 """executor.memory_budget when none is given: 2 GiB."""
@@ -414,9 +471,12 @@ class AggregatorConfig(StrictModel):
     """The server's aggregation rule (docs/security.md): FedAvg's weighted mean, or a
     Byzantine-robust rule in its place for every algorithm that aggregates."""
 
-    kind: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "norm_clip"] = (
-        "mean"
-    )
+    kind: Literal[
+        "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "norm_clip",
+        "feature_aware",
+    ] = "mean"
+    """feature_aware: the first layer's weight columns averaged over the clients that observed
+    each input feature (docs/missing_features.md)."""
     f: int | None = Field(default=None, ge=0)
     """krum, multi_krum, bulyan: Byzantine clients tolerated per round (null: the attack's
     fraction of the clients per round, rounded up; 1 without an attack)."""
@@ -428,6 +488,37 @@ class AggregatorConfig(StrictModel):
     """norm_clip: the bound M (null: the median update norm of the round)."""
     noise: float = Field(default=0.0, ge=0.0)
     """norm_clip: std of Gaussian noise added to the mean (Sun et al. 2019's weak DP)."""
+
+
+class CompressionConfig(StrictModel):
+    """Compression of the uploads (docs/compression.md): what each client sends is encoded,
+    communication counts the encoded bytes, the server decodes."""
+
+    kind: Literal["none", "topk", "randk", "qsgd", "fp16", "int8"] = "none"
+    ratio: float = Field(default=0.01, gt=0.0, le=1.0)
+    """topk, randk: the fraction of each tensor's entries sent."""
+    error_feedback: bool | None = None
+    """Keep what was not sent per client and add it to the next upload. null: on for the
+    contractive schemes (topk, randk, int8, fp16), off for qsgd, whose variance makes the
+    residual grow without bound (it cannot be turned on there)."""
+    levels: int = Field(default=16, ge=1, le=2**15)
+    """qsgd: quantization levels s."""
+    download: Literal["none", "fp16", "int8"] = "none"
+    """The broadcast model as fp16 or int8 (clients train from the decoded model)."""
+
+    @model_validator(mode="after")
+    def _feedback_applies(self) -> CompressionConfig:
+        if self.kind == "qsgd" and self.error_feedback:
+            raise ConfigError(
+                "compression.error_feedback: true does not apply to qsgd: it is unbiased but not "
+                "contractive (variance up to sqrt(d)/s times the update's), so the residual "
+                "would grow every round; leave it null or false (docs/compression.md)"
+            )
+        return self
+
+    def feedback(self) -> bool:
+        """Whether error feedback is on (``error_feedback``, else on for all but qsgd)."""
+        return self.error_feedback if self.error_feedback is not None else self.kind != "qsgd"
 
 
 class StateConfig(StrictModel):
@@ -491,6 +582,136 @@ class TrackingConfig(StrictModel):
     """MLflow experiment name."""
 
 
+class SpeedsConfig(StrictModel):
+    """Each client's time per local step on the virtual clock (engine/clock.py): a median
+    m_c fixed per client, times exp(jitter * N(0, 1)) drawn per job."""
+
+    kind: Literal["constant", "lognormal", "stragglers", "per_client"] = "constant"
+    sigma: float = Field(default=1.0, ge=0.0)
+    """lognormal: m_c = exp(sigma * N(0, 1)), drawn once per client."""
+    fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """stragglers: the share of clients (chosen once with the seed) that are slow."""
+    slowdown: float = Field(default=10.0, ge=1.0)
+    """stragglers: how many times slower a slow client's step is."""
+    values: list[float] | None = None
+    """per_client: m_c of client c (one positive number per client)."""
+    jitter: float = Field(default=0.0, ge=0.0)
+    """Spread of each job's time around the client's median (lognormal, per job)."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> SpeedsConfig:
+        if self.kind == "per_client" and (not self.values or min(self.values) <= 0):
+            raise ValueError("kind per_client needs values: one positive time per client")
+        if self.values is not None and self.kind != "per_client":
+            raise ValueError(f"values applies only to kind per_client, not {self.kind}")
+        return self
+
+
+class AsynchronyConfig(StrictModel):
+    """Asynchronous aggregation on a virtual clock (docs/asynchrony.md): FedAsync (Xie et al.
+    2019) mixes each arriving model in with weight alpha * s(staleness); FedBuff (Nguyen et al.
+    2022) applies the mean of every ``buffer`` arriving updates. With ``kind: none`` and
+    ``speeds`` set, the synchronous rounds get the same clock (round time: the slowest client)."""
+
+    kind: Literal["none", "fedasync", "fedbuff"] = "none"
+    buffer: int = Field(default=10, ge=1)
+    """fedbuff: K, the updates per server step."""
+    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    """s(d) of FedAsync section 5.2; fedbuff scales each update by it too."""
+    a: float = Field(default=0.5, ge=0.0)
+    """polynomial: s(d) = (d + 1)^-a; hinge: the slope a."""
+    b: float = Field(default=4.0, ge=0.0)
+    """hinge: s(d) = 1 up to staleness b."""
+    alpha: float = Field(default=0.6, gt=0.0, le=1.0)
+    """fedasync: the mixing weight alpha (alpha_t = alpha * s(d))."""
+    server_lr: float = Field(default=1.0, gt=0.0)
+    """fedbuff: eta_g, the step along the buffered mean update."""
+    weighting: Literal["samples", "uniform"] = "samples"
+    """fedbuff: updates weighted by the clients' samples (FedAvg's weights) or equally."""
+    concurrency: int | None = Field(default=None, ge=1)
+    """Clients training at once (null: train.clients_per_round, else every training client)."""
+    speeds: SpeedsConfig | None = None
+    """The clients' speeds (null: all equal; with kind none: no clock is kept)."""
+
+
+class ContributionConfig(StrictModel):
+    """Each round's clients valued by their contribution to the global model (docs/incentives.md;
+    incentives/shapley.py): v(S) is the validation metric of the model the algorithm's server
+    step builds from coalition S's uploads (v(empty): the model before the round).
+
+    - ``exact``: Shapley values over all 2^n coalitions (n <= 12 clients a round);
+    - ``loo``: leave-one-out, v(N) - v(N minus i);
+    - ``tmc``: truncated Monte-Carlo Shapley (Ghorbani & Zou 2019);
+    - ``gtg``: GTG-Shapley (Liu et al. 2022): guided, truncated, rescaled to the round's gain."""
+
+    kind: Literal["none", "exact", "loo", "tmc", "gtg"] = "none"
+    every: int = Field(default=1, ge=1)
+    """Value the clients every this many rounds (rounds between reuse each client's latest)."""
+    validation_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+    """The held-out validation split v(S) is measured on (eval.validation_fraction's split:
+    the larger of the two is held out)."""
+    metric: Literal["loss", "accuracy"] = "loss"
+    """v(S): minus the mean validation loss, or the validation accuracy (classification).
+    The loss is continuous: truncation and rankings need it (docs/incentives.md, measured)."""
+    tolerance: float = Field(default=1e-3, ge=0.0)
+    """tmc, gtg: a permutation's walk stops once |v(N) - v(prefix)| < tolerance; gtg: a round
+    whose gain |v(N) - v(empty)| is at most this values everyone 0."""
+    max_permutations: int | None = Field(default=None, ge=1)
+    """tmc, gtg: the most permutations a round (null: min(2^n, max(30, n, 0.8 x 2^n)))."""
+
+
+class CostConfig(StrictModel):
+    """A client's reported cost for a round it takes part in (incentives/costs.py)."""
+
+    per_sample: float = Field(default=0.001, ge=0.0)
+    """Per training sample processed (local steps x batch)."""
+    per_mb: float = Field(default=0.01, ge=0.0)
+    """Per MB (10^6 bytes) uploaded."""
+    per_client: list[float] | None = None
+    """User-given: client i's cost per round (replaces per_sample and per_mb)."""
+
+    @field_validator("per_client")
+    @classmethod
+    def _non_negative(cls, costs: list[float] | None) -> list[float] | None:
+        if costs is not None and any(c < 0 for c in costs):
+            raise ValueError("costs must be >= 0")
+        return costs
+
+
+class IncentiveConfig(StrictModel):
+    """Per-round payments from a budget to the round's clients (docs/incentives.md): FLI (Yu et
+    al. 2020) and the baselines (equal split, by sample count, Shapley-proportional, cost
+    only), all computed side by side on the same budget; ``kind`` is the headline scheme."""
+
+    kind: Literal["none", "fli", "equal", "samples", "shapley", "cost"] = "none"
+    budget: float = Field(default=100.0, gt=0.0)
+    """B(t): the budget paid out every round."""
+    omega: float = Field(default=1.0, ge=0.0)
+    """FLI's weight of contribution against the regret and waiting queues (fairness)."""
+    sub_rounds: int = Field(default=20, ge=1)
+    """R: each round's budget is paid in R equal parts, the queues updated after each."""
+    cost: CostConfig = Field(default_factory=CostConfig)
+
+
+class ServingConfig(StrictModel):
+    """Deployable copies and routing (seed 004, 5.3; engine/serving.py, serving/,
+    docs/serving.md). Absent or all off: nothing is kept."""
+
+    keep_best: bool = False
+    """Keep the global model of the round with the best validation metric (and, when clients
+    deploy models of their own, each client's best one); needs eval.validation_fraction."""
+    ema: float | None = Field(default=None, gt=0.0, lt=1.0)
+    """Decay of an exponential moving average of the global model, updated every round."""
+    route: Literal["none", "confidence"] = "none"
+    """confidence: per input, a client's personal model when its top softmax probability is
+    at least ``threshold``, else the more confident of it and the global model."""
+    threshold: float = Field(default=0.8, ge=0.0, le=1.0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep_best or self.ema is not None or self.route != "none"
+
+
 class RunConfig(StrictModel):
     seed: int = 0
     data: DataConfig = Field(default_factory=DataConfig)
@@ -509,6 +730,12 @@ class RunConfig(StrictModel):
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    asynchrony: AsynchronyConfig = Field(default_factory=AsynchronyConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    peft: PeftConfig | None = None
+    contribution: ContributionConfig = Field(default_factory=ContributionConfig)
+    incentive: IncentiveConfig = Field(default_factory=IncentiveConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -520,6 +747,37 @@ class RunConfig(StrictModel):
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             raise ValueError("algorithm.name is required (see `fedloom algorithms`)")
         return parse_algorithm_config(value)
+
+    @model_validator(mode="after")
+    def _serving_applies(self) -> RunConfig:
+        """serving.keep_best selects on the validation split, never on the test sets."""
+        if self.serving.keep_best and self.validation_fraction() <= 0:
+            raise ConfigError(
+                "serving.keep_best: the best model is chosen on a validation split: set "
+                "eval.validation_fraction (e.g. 0.1)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _peft_applies(self) -> RunConfig:
+        """A ``peft`` section goes with a pretrained model and vice versa (docs/peft.md)."""
+        pretrained = self.model.name in PEFT_MODELS
+        if pretrained and self.peft is None:
+            raise ConfigError(
+                f"model.name: {self.model.name} is a frozen pretrained model: add a peft section "
+                "(peft: {kind: lora | adapter | prompt, ...})"
+            )
+        if self.peft is not None and not pretrained:
+            raise ConfigError(
+                f"peft: needs a pretrained model (model.name: {' | '.join(PEFT_MODELS)}), "
+                f"got {self.model.name}"
+            )
+        if pretrained and not self.model.freeze:
+            raise ConfigError(
+                "model.freeze: false is not supported: the backbone stays frozen and only the "
+                "peft parameters and the head train"
+            )
+        return self
 
     @model_validator(mode="after")
     def _client_counts(self) -> RunConfig:
@@ -608,6 +866,101 @@ class RunConfig(StrictModel):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _asynchrony_applies(self) -> RunConfig:
+        """Asynchronous server steps fold models trained from older global models into the
+        current one: the server step must be a function of the clients' averaged models, and
+        the round-synchronous protocols (DP accounting, secure aggregation, robust rules,
+        dropout, per-round stragglers) do not apply."""
+        kind = self.asynchrony.kind
+        if kind == "none":
+            return self
+        able = asynchronous_algorithms()
+        if self.algorithm.name not in able:
+            raise ConfigError(
+                f"asynchrony.kind: {kind} needs an algorithm whose server step averages the "
+                f"clients' models (a stale model can be folded into it); {self.algorithm.name}'s "
+                f"is not. Supported: {', '.join(able)}"
+            )
+        clash = [
+            f"{key}: {value}"
+            for key, value, off in (
+                ("privacy.kind", self.privacy.kind, "none"),
+                ("secure_aggregation.kind", self.secure_aggregation.kind, "none"),
+                ("aggregator.kind", self.aggregator.kind, "mean"),
+                ("train.dropout", self.train.dropout, 0.0),
+                ("train.stragglers", self.train.stragglers, 0.0),
+            )
+            if value != off
+        ]
+        if clash:
+            raise ConfigError(
+                f"asynchrony.kind: {kind} does not combine with {', '.join(clash)}: these are "
+                "round-synchronous (slow clients are modelled by asynchrony.speeds)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compression_applies(self) -> RunConfig:
+        """Compression encodes uploads that the server reads one by one: not secure
+        aggregation's masked sums, not client-level DP's clipped updates (the residual of error
+        feedback, or quantization's rounding, would change their sensitivity)."""
+        kind, download = self.compression.kind, self.compression.download
+        if kind == "none" and download == "none":
+            return self
+        if not ALGORITHMS.get(self.algorithm.name).communicates:
+            raise ConfigError(f"compression: {self.algorithm.name} sends nothing to compress")
+        if kind != "none" and (
+            self.secure_aggregation.kind != "none" or self.privacy.kind == "client_dp"
+        ):
+            raise ConfigError(
+                f"compression.kind: {kind} does not combine with secure_aggregation or "
+                "privacy.kind client_dp (see docs/compression.md, Limits)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _incentives_apply(self) -> RunConfig:
+        """contribution needs each client's upload in the clear and a global model to value;
+        fli and shapley pay by contribution (engine/contribution.py)."""
+        kind, pays = self.contribution.kind, self.incentive.kind
+        if pays in ("fli", "shapley") and kind == "none":
+            raise ConfigError(
+                f"incentive.kind: {pays} pays by contribution: set contribution.kind (exact, "
+                "loo, tmc or gtg), or choose incentive.kind equal, samples or cost"
+            )
+        if (kind != "none" or pays != "none") and self.asynchrony.kind != "none":
+            raise ConfigError(
+                "contribution and incentive value and pay the clients of synchronous rounds; "
+                "set asynchrony.kind: none"
+            )
+        algorithm = ALGORITHMS.get(self.algorithm.name)
+        if pays != "none" and algorithm.pooled:
+            raise ConfigError(
+                f"incentive.kind: {pays} pays the clients of a round; {self.algorithm.name} "
+                "trains one pooled virtual client"
+            )
+        if kind == "none":
+            return self
+        if not algorithm.has_global_model or algorithm.pooled or not algorithm.communicates:
+            raise ConfigError(
+                f"contribution.kind: {kind} values clients by the global model their uploads "
+                f"build; {self.algorithm.name} has no global model built from uploads"
+            )
+        if self.secure_aggregation.kind != "none" or self.privacy.kind == "client_dp":
+            raise ConfigError(
+                f"contribution.kind: {kind} builds a model from every coalition of a round's "
+                "uploads: it needs them in the clear (not secure_aggregation) and unreleased "
+                "(client_dp's accountant does not count the coalition models)"
+            )
+        n = self.clients_per_round_nominal()
+        if kind == "exact" and n is not None and n > EXACT_SHAPLEY_MAX:
+            raise ConfigError(
+                f"contribution.kind: exact evaluates 2^n coalitions a round; "
+                f"{n} clients a round is more than {EXACT_SHAPLEY_MAX}: use gtg or tmc"
+            )
+        return self
+
     def clients_per_round_nominal(self) -> int | None:
         """train.clients_per_round, else every training client (when the count is known)."""
         if self.train.clients_per_round is not None:
@@ -615,6 +968,14 @@ class RunConfig(StrictModel):
         if self.data.num_clients is not None:
             return self.data.num_clients - self.eval.new_clients
         return None
+
+    def validation_fraction(self) -> float:
+        """The validation split the run holds out: ``eval.validation_fraction``, or more when
+        another part of the config needs a validation set of its own size."""
+        fractions = [self.eval.validation_fraction]
+        if self.contribution.kind != "none":
+            fractions.append(self.contribution.validation_fraction)
+        return max(fractions)
 
     def byzantine_f(self, n: int) -> int:
         """aggregator.f, else the attack's expected malicious clients among n (1 without)."""
@@ -629,6 +990,18 @@ class RunConfig(StrictModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def asynchronous_algorithms() -> list[str]:
+    """Algorithms that asynchrony.kind fedasync and fedbuff apply to: those whose server step
+    is a function of the average of the uploaded models (``averages_client_models``)."""
+    return [
+        name
+        for name in ALGORITHMS.names()
+        if (cls := ALGORITHMS.get(name)).averages_client_models
+        and cls.communicates
+        and not cls.pooled
+    ]
 
 
 def check_client_counts(config: RunConfig, num_clients: int) -> None:

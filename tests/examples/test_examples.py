@@ -13,6 +13,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 SHRINK = {
     "heterogeneous_mnist": ["train.local_epochs.high=2"],
     "shakespeare": ["data.num_clients=3", "train.clients_per_round=2", "train.local_steps=2"],
+    "peft_bbc_news": ["train.clients_per_round=2", "data.max_length=16", "monitor.enabled=false"],
 }
 
 
@@ -37,4 +38,5 @@ def test_example_runs(path, data_root, tmp_path):
     assert result.summary["dataset"] == raw["data"]["name"]
     assert (tmp_path / "run" / "report.html").is_file()
     final = result.summary["final"]
-    assert final["personalized"]["loss_mean"] is not None
+    pers = final["personalized"]  # RL runs (docs/rl.md) report greedy returns instead
+    assert pers.get("loss_mean") is not None or pers.get("return_mean") is not None

@@ -8,6 +8,7 @@ checks when missing unless ``FEDLOOM_OFFLINE=1``.
 """
 
 from fedloom.data import (  # noqa: F401  (registration side effects)
+    bbc_news,
     digits,
     femnist,
     mnist,

@@ -79,6 +79,9 @@ def load_dataset(cfg: Any, seed: int) -> FederatedData:
     partition = _partition(spec, getattr(cfg, "partition", None))
     options = validate(spec.options, getattr(cfg, "options", None) or {}, f"data.{spec.name}")
     root, source = _root(cfg)
+    max_length = getattr(cfg, "max_length", None)
+    if max_length is not None and not spec.text:
+        raise ConfigError(f"data.max_length: applies to text datasets only, not {spec.name}")
     req = DataRequest(
         name=spec.name,
         root=root,
@@ -88,6 +91,7 @@ def load_dataset(cfg: Any, seed: int) -> FederatedData:
         test_fraction=_test_fraction(getattr(cfg, "test_fraction", 0.2)),
         options=options,
         seed=int(seed),
+        max_length=max_length,
     )
     return spec.build(req)
 

@@ -25,6 +25,7 @@ def federate_pool(
     num_classes: int,
     req: DataRequest,
     scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> FederatedData:
     """Partition the pool ``(x, y)`` with ``req.partition`` and hold out ``req.test_fraction`` of
     each client's share (seeded).
@@ -48,10 +49,10 @@ def federate_pool(
         indices.append((train, test))
         order.extend([train, test])
     flat = np.concatenate(order)
-    xs = torch.from_numpy(np.ascontiguousarray(x[flat])).to(torch.float32)
+    xs = torch.from_numpy(np.ascontiguousarray(x[flat])).to(dtype)  # int64: token ids
     if scale != 1.0:
         xs.div_(scale)
-    if xs.ndim == 3:
+    if xs.ndim == 3 and dtype.is_floating_point:
         xs = xs.unsqueeze(1)
     ys = torch.from_numpy(y[flat].astype(np.int64))
     clients: list[ClientData] = []

@@ -31,6 +31,8 @@ class DataRequest:
     test_fraction: float
     options: BaseModel
     seed: int
+    max_length: int | None = None
+    """Text datasets: tokens per sample (``data.max_length``)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class DatasetSpec:
     default_partition: str
     default_num_clients: int | None
     options: type[BaseModel] = NoOptions
+    text: bool = False
+    """Samples are token ids: ``data.max_length`` applies."""
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset", "data.name")

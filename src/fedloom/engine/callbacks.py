@@ -111,7 +111,41 @@ class Evaluation(Callback):
             row[key] = client_quantiles(done, classification)
             if key == "personalized" and classification:
                 row["client_accuracy"] = [c.accuracy if c.n else None for c in done]
+        if engine.validation is not None:
+            row["validation"] = self.validate(engine, global_model, deployed)
         return row, deployed
+
+    @staticmethod
+    def validate(
+        engine: Engine,
+        global_model: tuple[pytree.Tree, pytree.Tree] | None,
+        deployed: dict[int, pytree.Tree],
+    ) -> dict[str, Any]:
+        """The ``validation`` entry (eval.validation_fraction): the global model on all
+        validation sets pooled, each training client's deployed model on its own."""
+        assert engine.validation is not None
+        classification = engine.data.task == "classification"
+        batch = engine.config.eval.batch_size
+        out: dict[str, Any] = {"global": None}
+        ids = [c for c in engine.train_ids if engine.validation[c].num_test]
+        if global_model is not None:
+            counts = [
+                EvalCounts(*engine.model.evaluate(*global_model, v.x_test, v.y_test, batch))
+                for v in (engine.validation[c] for c in ids)
+            ]
+            out["global"] = pooled(counts, classification)
+        keys = set(engine.model.param_keys)
+        models = [
+            (
+                {k: v for k, v in deployed[c].items() if k in keys},
+                {k: v for k, v in deployed[c].items() if k not in keys},
+            )
+            for c in ids
+        ]
+        if models:
+            counts = engine.executor.evaluate(models, [engine.validation[c] for c in ids], batch)
+            out["personalized"] = client_quantiles(counts, classification)
+        return out
 
 
 class HealthMonitor(Callback):
@@ -295,6 +329,7 @@ class MetricsLog(Callback):
     def row(state: RunState, report: RoundReport) -> dict[str, Any]:
         info = report.client_info()
         measured = dict(report.metrics)
+        timed = measured.pop("seconds", {})  # callbacks' own timings (contribution evaluation)
         return {
             "round": report.round,
             "wall_seconds": state.elapsed,
@@ -310,7 +345,11 @@ class MetricsLog(Callback):
                 "bytes_up_round": report.bytes_up,
                 "bytes_down_round": report.bytes_down,
             },
-            "seconds": {"round": report.train_seconds, "monitor": report.monitor_seconds},
+            "seconds": {
+                "round": report.train_seconds,
+                "monitor": report.monitor_seconds,
+                **timed,
+            },
         }
 
     def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:

@@ -17,8 +17,12 @@ from fedloom.algorithms import Algorithm, AlgorithmContext, ClientTask, build_al
 from fedloom.config import RunConfig, check_client_counts
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientResult, Message
+from fedloom.core.protocol import ClientData, ClientResult, Message
 from fedloom.data.federated import FederatedData
+from fedloom.data.missing import hide_features
+from fedloom.data.validation import hold_out_validation
+from fedloom.data.validation import pooled as pooled_validation
+from fedloom.engine.asynchrony import AsyncServer, make_timing
 from fedloom.engine.callbacks import (
     AttackReport,
     Callback,
@@ -30,18 +34,21 @@ from fedloom.engine.callbacks import (
     PrivacyAccounting,
     SecureAggregationLog,
 )
+from fedloom.engine.contribution import ContributionAndIncentives
 from fedloom.engine.dropout import dropouts, uploads
 from fedloom.engine.factory import make_executor
 from fedloom.engine.mechanisms import Aggregator, Mechanisms, UploadTransform
 from fedloom.engine.nonfinite import screen
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import TrainingClients
+from fedloom.engine.serving import ServingCopies
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
 from fedloom.engine.workload import full_budget, straggler_steps
 from fedloom.errors import ConfigError, RoundAborted, RunDirError
 from fedloom.models.base import FedModel
+from fedloom.peft import build_peft_algorithm
 from fedloom.privacy import SampleLevelDP
 from fedloom.secure.base import DropStage
 from fedloom.solvers.local import PlanMaker
@@ -83,9 +90,19 @@ class Engine:
         train = config.train
         if config.data.num_clients != data.num_clients:  # else checked when parsed
             check_client_counts(config, data.num_clients)
+        data = hide_features(data, config.data.missing, config.seed)  # data.missing: zeroed
         new = config.eval.new_clients
         self.train_ids = list(range(data.num_clients - new))
         self.new_ids = list(range(data.num_clients - new, data.num_clients))
+        self.validation: list[ClientData] | None = None
+        """Each client's validation set (eval.validation_fraction; data/validation.py)."""
+        self.validation_pool: ClientData | None = None
+        """All of them as one: the server's held-out set."""
+        if config.validation_fraction() > 0:
+            data, self.validation = hold_out_validation(
+                data, config.validation_fraction(), config.seed, self.train_ids
+            )
+            self.validation_pool = pooled_validation(self.validation[: len(self.train_ids)])
         self.mechanisms = Mechanisms(config, data, module, self.train_ids)
         self.data = self.mechanisms.data  # the malicious clients' poisoned, if any
         self.upload_transforms = self.mechanisms.upload_transforms(upload_transforms or [])
@@ -102,7 +119,9 @@ class Engine:
             population={c: data.clients[c].num_train for c in self.train_ids},
             sample_dp=sample_dp.dpsgd if sample_dp is not None else None,
         )
-        self.algorithm: Algorithm = build_algorithm(config.algorithm, ctx)
+        self.algorithm: Algorithm = build_peft_algorithm(config, ctx) or build_algorithm(
+            config.algorithm, ctx
+        )  # PEFT strategies with their own server step (docs/peft.md), else the named one
         program = self.algorithm.client_program()
         if sample_dp is not None and getattr(program, "private", None) is None:
             raise ConfigError(  # declared, but its program has a step of its own
@@ -117,14 +136,22 @@ class Engine:
             poisson=self.mechanisms.poisson_clients,
         )
         self.evaluation = Evaluation()
+        self.timing = make_timing(self)
+        """The virtual clock (asynchrony.speeds) and asynchronous aggregation, when configured
+        (engine/asynchrony.py)."""
         mechanisms = self.mechanisms
+        self.incentives = ContributionAndIncentives.build(config)
+        """Contribution evaluation and payments (engine/contribution.py), when configured."""
         self.callbacks: list[Callback] = [
             self.evaluation,
             *([HealthMonitor()] if config.monitor.enabled else []),
             PrivacyAccounting([mechanisms.privacy, *self.upload_transforms]),
             *([SecureAggregationLog(mechanisms.secure)] if mechanisms.secure is not None else []),
             *([AttackReport(mechanisms)] if mechanisms.malicious else []),
+            *([ServingCopies(config.serving)] if config.serving.enabled else []),
             *(callbacks or []),
+            *([self.incentives] if self.incentives is not None else []),
+            *([self.timing] if self.timing is not None else []),
             MetricsLog(progress),
             Checkpointing(),
             ColdStart(),
@@ -216,12 +243,15 @@ class Engine:
     def train_round(self, round: int, state: RunState) -> RoundReport:
         """One round: sample, send, train (the executor), screen, transform and aggregate the
         uploads; ``state`` moves to the end of the round."""
+        if isinstance(self.timing, AsyncServer):  # a round is one asynchronous server step
+            return self.timing.train_round(self, round, state)
         cfg, algorithm, tick = self.config, self.algorithm, time.perf_counter()
         clients = self.training.sample(cfg.seed, round)
         drops = dropouts(cfg.seed, round, clients, cfg.train.dropout)
         new = [c for c in clients if c not in state.clients]
         state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
         message = algorithm.server_message(state.server, round)
+        message = self.mechanisms.broadcast(message)  # compression.download: as decoded
         self.mechanisms.start_round(round, message)
         # clients that vanish before uploading do no work (engine/dropout.py)
         tasks = self.tasks_for_round(round, [c for c in clients if uploads(drops.get(c))])
@@ -230,8 +260,9 @@ class Engine:
         results = self.executor.run_round(
             algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
         )
-        # a dropped client's upload still crossed the network: counted before screening
-        up = sum(message_bytes(r.upload) for r in results) if algorithm.communicates else 0
+        # a dropped client's upload still crossed the network: counted before screening, as
+        # encoded when compression is on (the uploads are then what the server decodes)
+        up = self.mechanisms.send_uploads(round, results) if algorithm.communicates else 0
         screened = screen(tasks, results, round, algorithm.config.model_dump(), cfg.train)
         tasks, results = screened.tasks, screened.results
         state.dropped_nonfinite += len(screened.dropped)
@@ -245,6 +276,7 @@ class Engine:
         ]
         state.clients.set_many([c for c, _ in kept], [s for _, s in kept])
         down = algorithm.download_bytes(message, clients) if algorithm.communicates else 0
+        down = self.mechanisms.download_bytes(down)  # as encoded (compression.download)
         if results:  # every sampled client dropped out: the server keeps its state
             up, down = self._aggregate(round, state, message, results, drops, up, down)
         state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
@@ -269,6 +301,8 @@ class Engine:
         taken (secure aggregation below its threshold, too few clients for a robust rule)
         leaves the server's state as it was."""
         self.mechanisms.before_aggregate(round, message, results, drops)
+        if self.incentives is not None:  # values the clients from the state before the step
+            self.incentives.before_server_step(self, round, state, results)
         try:
             state.server = self.algorithm.aggregate(state.server, results)
         except RoundAborted as err:

@@ -1,7 +1,8 @@
 """The run's mechanisms around aggregation, built once from the config: differential privacy
 (``privacy``), secure aggregation (``secure_aggregation``), poisoning attacks (``attack``) and
-robust aggregation (``aggregator``). The round loop asks them, in one place, for the data the
-clients train on, the upload transforms, the server's aggregation rule, and what to do at the
+robust or feature-aware aggregation (``aggregator``) and upload compression (``compression``).
+The round loop asks them, in one place, for the data the clients train on, what the uploads
+cost on the wire, the upload transforms, the server's aggregation rule, and what to do at the
 start of a round and before the server step; their state goes into checkpoints and their
 reports into metrics rows and summary.json."""
 
@@ -16,15 +17,19 @@ from fedloom.algorithms import ALGORITHMS
 from fedloom.attacks.data import poison
 from fedloom.attacks.selection import malicious_clients
 from fedloom.attacks.updates import MODEL_ATTACKS, ModelPoisoning
+from fedloom.compression import UploadCompression
+from fedloom.compression.downloads import DownloadCompression
 from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.protocol import ClientResult, Message
 from fedloom.data.federated import FederatedData
+from fedloom.data.missing import observed
 from fedloom.engine.sampling import POOLED_CLIENT
 from fedloom.engine.workload import most_steps
 from fedloom.errors import ConfigError
 from fedloom.privacy import ClientLevelDP, SampleLevelDP
 from fedloom.robust.aggregation import RobustAggregation
+from fedloom.robust.feature_aware import FeatureAwareAggregation, first_layer_key
 from fedloom.secure.aggregation import SecureAggregation, build_protocol
 from fedloom.secure.base import DropStage
 
@@ -64,11 +69,14 @@ class Mechanisms:
         buffers = [n for n, _ in module.named_buffers()]
         self.privacy = self._privacy(buffers)
         self.secure = self._secure(buffers)
-        self.robust = (
-            RobustAggregation(config.aggregator, config.seed, config.byzantine_f(per_round))
-            if config.aggregator.kind != "mean"
+        self.robust = self._robust(module, per_round)
+        self.compression = (
+            UploadCompression(config.compression, config.seed)
+            if config.compression.kind != "none"
             else None
         )
+        download = config.compression.download
+        self.download = DownloadCompression(download) if download != "none" else None
         if isinstance(self.privacy, ClientLevelDP) and self.secure is not None:
             self.privacy.update_sum = self.secure.sum_updates  # DP's sum of clipped updates
 
@@ -104,7 +112,7 @@ class Mechanisms:
 
     # -- the round -------------------------------------------------------------------------
     def start_round(self, round: int, message: Message) -> None:
-        for mechanism in (self.privacy, self.poisoning, self.robust):
+        for mechanism in (self.privacy, self.poisoning, self.robust, self.compression):
             if mechanism is not None:
                 mechanism.start_round(round, message)
 
@@ -117,6 +125,28 @@ class Mechanisms:
     ) -> None:
         if self.secure is not None:
             self.secure.begin(round, message, [r.client_id for r in results], drops)
+        if isinstance(self.robust, FeatureAwareAggregation):
+            self.robust.begin([r.client_id for r in results])
+
+    def broadcast(self, message: Message) -> Message:
+        """What the clients receive: with ``compression.download`` the message as decoded."""
+        return self.download.transmit(message) if self.download is not None else message
+
+    def download_bytes(self, dense: int) -> int:
+        """The round's bytes down (``dense``: the algorithm's count), as encoded."""
+        return self.download.download_bytes(dense) if self.download is not None else dense
+
+    def send_upload(self, round: int, result: ClientResult) -> int:
+        """The bytes of one client's upload on the wire. With ``compression`` the client
+        encodes its upload, the encoded size counts, and ``result.upload`` becomes what the
+        server decodes (before screening and the upload transforms: the client's last step)."""
+        if self.compression is None:
+            return sum(pytree.num_bytes(tree) for tree in result.upload.values())
+        result.upload, size = self.compression.transmit(result.upload, result.client_id, round)
+        return size
+
+    def send_uploads(self, round: int, results: Sequence[ClientResult]) -> int:
+        return sum(self.send_upload(round, r) for r in results)
 
     def round_bytes(self, up: int, down: int) -> tuple[int, int]:
         """The round's bytes up and down: secure aggregation's protocol traffic in place of the
@@ -128,7 +158,12 @@ class Mechanisms:
 
     # -- state and reports -------------------------------------------------------------------
     def _stateful(self) -> dict[str, Any]:
-        named = {"privacy": self.privacy, "secure": self.secure, "robust": self.robust}
+        named = {
+            "privacy": self.privacy,
+            "secure": self.secure,
+            "robust": self.robust,
+            "compression": self.compression,
+        }
         return {k: m for k, m in named.items() if m is not None}
 
     def state_dict(self) -> dict[str, Any]:
@@ -156,6 +191,11 @@ class Mechanisms:
             }
         if self.robust is not None:
             out["aggregator"] = self.robust.summary()
+        if self.compression is not None or self.download is not None:
+            out["compression"] = {
+                **(self.compression.summary() if self.compression is not None else {}),
+                **(self.download.summary() if self.download is not None else {}),
+            }
         return out
 
     # -- construction ----------------------------------------------------------------------
@@ -180,6 +220,17 @@ class Mechanisms:
         return ClientLevelDP(
             cfg.privacy, cfg.seed, len(self.train_ids), train.clients_per_round, train.rounds
         )
+
+    def _robust(
+        self, module: torch.nn.Module, per_round: int
+    ) -> RobustAggregation | FeatureAwareAggregation | None:
+        cfg = self.config
+        if cfg.aggregator.kind == "mean":
+            return None
+        if cfg.aggregator.kind == "feature_aware":  # masks: what each client observed
+            key = first_layer_key(module, self.data.input_shape)
+            return FeatureAwareAggregation(key, observed(self.data))
+        return RobustAggregation(cfg.aggregator, cfg.seed, cfg.byzantine_f(per_round))
 
     def _secure(self, buffers: list[str]) -> SecureAggregation | None:
         cfg = self.config.secure_aggregation

@@ -32,6 +32,12 @@ class RunState:
     """The state of the run's mechanisms (engine/mechanisms.py) by name: ``privacy``
     (adaptive clipping's bound, DP-SGD's steps per client), ``secure`` (secure aggregation's
     counters), ``robust`` (skipped rounds)."""
+    asynchrony: dict[str, Any] = field(default_factory=dict)
+    """The virtual clock and, for asynchronous aggregation, the clients in flight and the
+    server's buffer (engine/asynchrony.py)."""
+    serving: dict[str, Any] = field(default_factory=dict)
+    """The deployable copies kept across rounds (serving section; engine/serving.py): the
+    best global model by validation metric and its round, each client's best, the EMA."""
 
     def checkpoint(self) -> dict[str, Any]:
         return {
@@ -45,6 +51,8 @@ class RunState:
             "dropped_nonfinite": self.dropped_nonfinite,
             "executor_choice": self.executor_choice,
             "mechanisms": self.mechanisms,
+            "asynchrony": self.asynchrony,
+            "serving": self.serving,
         }
 
     @classmethod
@@ -62,6 +70,8 @@ class RunState:
             executor_choice=saved.get("executor_choice"),
             mechanisms=saved.get("mechanisms")
             or ({"privacy": saved["privacy"]} if saved.get("privacy") else {}),  # before 0.2
+            asynchrony=saved.get("asynchrony") or {},
+            serving=saved.get("serving") or {},
         )
 
 

@@ -84,6 +84,9 @@ def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
         if isinstance(algorithm, dict)
         else {}
     )
+    peft = config.get("peft")
+    if isinstance(peft, dict):  # the PEFT strategy tells runs of one algorithm apart
+        out |= {f"peft.{k}": peft[k] for k in ("kind", "share", "r", "rank_by_size") if k in peft}
     train = config.get("train")
     if isinstance(train, dict):
         out |= {k: train[k] for k in TRAIN_KEYS if train.get(k) is not None and k not in out}

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from fedloom.report import format as fmt
+from fedloom.report import rl
 from fedloom.report.alerts import Alert, evaluate_alerts
 from fedloom.report.figures import Panel
 from fedloom.report.panels import build_panels
@@ -186,6 +187,9 @@ def _accuracy_card(
 
 def quality_cards(run: RunData) -> list[Card]:
     """Final global, personalized and (if any) new-client accuracy."""
+    if rl.is_rl(run):  # greedy returns instead of accuracies (docs/rl.md)
+        return [Card(label, fmt.number(v), detail, muted=v is None) for label, v, detail in
+                rl.headline(run)]
     cards = [
         _accuracy_card(
             "Global accuracy", final_section(run, "global"), "accuracy", "loss", "no global model"
@@ -202,6 +206,39 @@ def quality_cards(run: RunData) -> list[Card]:
     if new is not None:
         label = "New clients accuracy · mean"
         cards.append(_accuracy_card(label, new, "accuracy_mean", "loss_mean", "not reported"))
+    return cards + serving_cards(run)
+
+
+def serving_cards(run: RunData) -> list[Card]:
+    """summary.json's ``serving`` (docs/serving.md): the kept best and EMA global copies on
+    the test sets, and the confidence router beside the personal and global models."""
+    serving = dig(run.summary, "serving")
+    if not isinstance(serving, dict):
+        return []
+    cards = []
+    best, ema = serving.get("best") or {}, serving.get("ema") or {}
+    if best or ema:
+        copy = best or ema
+        label = f"Best global · round {best['round']}" if best else "EMA global"
+        test = copy.get("test") or {}
+        value = test.get("accuracy")
+        details = ["test accuracy" if value is not None else "test loss"]
+        if best and ema:
+            details.append(f"EMA {fmt.percent(dig(ema, 'test', 'accuracy'))}")
+        shown = fmt.percent(value) if value is not None else fmt.number(test.get("loss"))
+        cards.append(Card(label, shown, " · ".join(details)))
+    routing = serving.get("routing")
+    if isinstance(routing, dict):
+        share = routing.get("personal_share")
+        cards.append(
+            Card(
+                "Routed accuracy · mean",
+                fmt.percent(dig(routing, "routed", "accuracy_mean")),
+                f"personal {fmt.percent(dig(routing, 'personal', 'accuracy_mean'))} · global "
+                f"{fmt.percent(dig(routing, 'global', 'accuracy_mean'))} · "
+                f"{fmt.percent(share)} to personal (threshold {routing.get('threshold')})",
+            )
+        )
     return cards
 
 

@@ -1,0 +1,177 @@
+"""Federated RL measurements (spec frl.md 2.1-2.2; docs/rl.md; issue #18):
+
+- HFRL: PAvg, personalized PAvg and local REINFORCE agents on CartPole (4 agents, half-lengths
+  0.25/0.5/1.0/1.5, 16 environments each; PAvg every 5 iterations), greedy return per training
+  and unseen length after 60 and 100 iterations, per seed.
+- QAvg vs local DQN agents in the same setting (2,000 iterations, averaging every 10).
+- VFRL: vertical federated DQN (sigma 0 and 0.1) vs the Q-party alone vs centralized DQN (32
+  environments, 3,000 iterations), greedy return every 500 iterations, per seed.
+- Speed: CartPole environment steps per second, the torch-batched CartPole (N environments in
+  one call) vs Gymnasium's CartPole-v1 one environment at a time.
+
+    .venv/bin/python benchmarks/rl.py [--seeds 0 1 2] [--skip speed hfrl qavg vfrl] [--out FILE]
+
+Prints Markdown tables (and, with ``--out``, writes the results as JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import torch
+
+from fedloom.rl.cartpole import CartPoleBatch, CartPoleParams
+from fedloom.rl.run import run_rl
+
+
+def hfrl(seed: int, algorithm: str) -> dict:
+    cfg = {
+        "seed": seed,
+        "data": {"name": "cartpole", "num_clients": 4, "envs_per_client": 16},
+        "algorithm": {"name": algorithm},
+        "train": {"rounds": 20, "local_steps": 5, "lr": 0.01},
+        "eval": {"every": 4, "episodes": 20},
+    }
+    t = time.perf_counter()
+    result = run_rl(cfg, write=False)
+    rows = {row["round"] * 5: row for row in result.history}
+    return {
+        "seconds": time.perf_counter() - t,
+        "at": {it: rows[it]["returns"] for it in (60, 100)},
+        "mean": {it: rows[it]["return_mean"] for it in (60, 100)},
+        "train_mean": {it: rows[it]["return_train_mean"] for it in (60, 100)},
+        "unseen_mean": {it: rows[it]["return_unseen_mean"] for it in (60, 100)},
+        "bytes_up": result.summary["communication"]["bytes_up"],
+    }
+
+
+def qavg(seed: int, algorithm: str) -> dict:
+    """QAvg vs local DQN agents in the HFRL setting (MLP 4-64-64-2, 2,000 iterations,
+    averaging every 10)."""
+    cfg = {
+        "seed": seed,
+        "data": {"name": "cartpole", "num_clients": 4, "envs_per_client": 16},
+        "model": {"hidden": [64, 64]},
+        "algorithm": {"name": algorithm},
+        "train": {"rounds": 200, "local_steps": 10},
+        "eval": {"every": 200, "episodes": 20},
+    }
+    t = time.perf_counter()
+    final = run_rl(cfg, write=False).summary["final"]
+    return {
+        "seconds": time.perf_counter() - t,
+        "train_mean": final["return_train_mean"],
+        "unseen_mean": final["return_unseen_mean"],
+    }
+
+
+def vfrl(seed: int, mode: str, noise: float = 0.0) -> dict:
+    cfg = {
+        "seed": seed,
+        "data": {
+            "name": "cartpole",
+            "envs_per_client": 32,
+            "cartpole": {"lengths": [0.5], "unseen_lengths": []},
+        },
+        "model": {"hidden": [64]},
+        "algorithm": {"name": "vertical_dqn", "mode": mode, "noise_std": noise},
+        "train": {"rounds": 6, "local_steps": 500, "lr": 5e-4},
+        "eval": {"every": 1, "episodes": 50},
+    }
+    t = time.perf_counter()
+    result = run_rl(cfg, write=False)
+    return {
+        "seconds": time.perf_counter() - t,
+        "returns": {row["round"] * 500: row["return_train_mean"] for row in result.history},
+        "bytes_up": result.summary["communication"]["bytes_up"],
+        "bytes_down": result.summary["communication"]["bytes_down"],
+    }
+
+
+def speed(steps: int = 2000) -> dict:
+    out: dict[str, float] = {}
+    env = gym.make("CartPole-v1")
+    env.reset(seed=0)
+    env.action_space.seed(0)
+    t = time.perf_counter()
+    for _ in range(steps * 5):
+        _, _, term, trunc, _ = env.step(env.action_space.sample())
+        if term or trunc:
+            env.reset()
+    out["gymnasium_one_env"] = steps * 5 / (time.perf_counter() - t)
+    gen = torch.Generator().manual_seed(0)
+    for n in (64, 1024, 16384):
+        batch = CartPoleBatch(CartPoleParams.make(torch.linspace(0.25, 1.5, n)))
+        batch.reset(gen)
+        t = time.perf_counter()
+        for _ in range(steps):
+            batch.step(torch.randint(0, 2, (n,), generator=gen), gen)
+        out[f"batched_{n}"] = n * steps / (time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--skip", nargs="*", default=[])
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    res: dict = {"seeds": args.seeds}
+    if "speed" not in args.skip:
+        res["speed"] = speed()
+        print("\n| environment steps per second | |\n|---|---:|")
+        for k, v in res["speed"].items():
+            print(f"| {k} | {v:,.0f} |")
+    if "hfrl" not in args.skip:
+        res["hfrl"] = {
+            a: {s: hfrl(s, a) for s in args.seeds} for a in ("pavg", "local", "pavg_embedding")
+        }
+        for it in (60, 100):
+            print(f"\n**HFRL after {it} iterations** (greedy return, 20 episodes per length)\n")
+            first = res["hfrl"]["pavg"][args.seeds[0]]["at"][it]
+            envs = [*first["train"], *(f"{e} (unseen)" for e in first["unseen"])]
+            print("| method | seed | " + " | ".join(envs) + " | mean | s |")
+            print("|---|---|" + "---:|" * (len(envs) + 2))
+            for a, by_seed in res["hfrl"].items():
+                for s, r in by_seed.items():
+                    vals = [*r["at"][it]["train"].values(), *r["at"][it]["unseen"].values()]
+                    cells = " | ".join(f"{v:.0f}" for v in vals)
+                    print(f"| {a} | {s} | {cells} | {r['mean'][it]:.0f} | {r['seconds']:.0f} |")
+    if "qavg" not in args.skip:
+        res["qavg"] = {a: {s: qavg(s, a) for s in args.seeds} for a in ("qavg", "local_dqn")}
+        print("\n**QAvg vs local DQN** (2,000 iterations; greedy return, mean over lengths)\n")
+        print("| method | seed | training lengths | unseen lengths | s |\n|---|---|---:|---:|---:|")
+        for a, by_seed in res["qavg"].items():
+            for s, r in by_seed.items():
+                row = f"| {a} | {s} | {r['train_mean']:.0f} | {r['unseen_mean']:.0f}"
+                print(f"{row} | {r['seconds']:.0f} |")
+    if "vfrl" not in args.skip:
+        runs = {
+            "vertical": ("vertical", 0.0),
+            "vertical_sigma0.1": ("vertical", 0.1),
+            "party_a": ("party_a", 0.0),
+            "centralized": ("centralized", 0.0),
+        }
+        res["vfrl"] = {k: {s: vfrl(s, m, sig) for s in args.seeds} for k, (m, sig) in runs.items()}
+        print("\n**VFRL** (greedy return over 50 episodes, by iterations)\n")
+        print("| method | seed | 500 | 1000 | 1500 | 2000 | 2500 | 3000 | s |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for k, by_seed in res["vfrl"].items():
+            for s, r in by_seed.items():
+                cells = " | ".join(f"{v:.0f}" for v in r["returns"].values())
+                print(f"| {k} | {s} | {cells} | {r['seconds']:.0f} |")
+            for it in (1500, 3000):
+                med = statistics.median(r["returns"][it] for r in by_seed.values())
+                print(f"| {k} | median | {it} it.: {med:.0f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""Contribution evaluation and incentive payments during a run (docs/incentives.md; spec
+incentives.md 3.1-3.2), beside any algorithm with a global model.
+
+Contribution: in each valued round (``contribution.every``), just before the real server step,
+the game of the round's uploads is played: v(S) is the validation metric of
+``global_model(aggregate(server_before, uploads of S))``, the model the algorithm's own server
+step would build from coalition S (v(empty): the model before the round). The estimator
+(exact, leave-one-out, TMC or GTG; incentives/shapley.py) values each participant; the
+coalition models are evaluated on the held-out validation split (data/validation.py), many
+at once under ``vmap`` when the estimator knows its coalitions up front (exact, LOO).
+
+Incentives: after every round, FLI and the seed's baselines pay the same budget to the round's
+participants (incentives/book.py), each participant's cost from the declared cost model
+(samples it processed, bytes it uploaded; incentives/costs.py). The book's state rides in
+``RunState.mechanisms['incentives']``, so checkpoints carry the queues and a resumed run pays
+as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import vmap
+
+from fedloom.config import RunConfig
+from fedloom.core import pytree
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, State
+from fedloom.core.rng import numpy_rng
+from fedloom.engine.callbacks import Callback
+from fedloom.engine.state import RoundReport, RunState
+from fedloom.errors import ConfigError, RoundAborted
+from fedloom.incentives.baselines import NEEDS_CONTRIBUTION, SCHEMES
+from fedloom.incentives.book import IncentiveBook
+from fedloom.incentives.costs import CostModel
+from fedloom.incentives.shapley import CachedGame, Coalition, Convergence, Valuation, estimate
+
+if TYPE_CHECKING:
+    from fedloom.engine.loop import Engine
+
+STATE_KEY = "incentives"
+"""The key of this module's state in ``RunState.mechanisms`` (checkpointed with the run)."""
+
+Model = tuple[pytree.Tree, pytree.Tree]
+
+CHUNK = 16
+"""Coalition models built and evaluated together (one vmapped forward per batch)."""
+
+
+def evaluate_models(
+    model: FunctionalModel,
+    models: Sequence[Model],
+    data: ClientData,
+    batch_size: int,
+    chunk_size: int = 16,
+) -> list[tuple[float, float]]:
+    """(mean loss, accuracy) of each model on ``data``'s held-out part: ``chunk_size`` models
+    per vmapped forward over the same batches (no copies of the data per model); one model at
+    a time for a module ``vmap`` cannot batch (the same numbers, slower)."""
+    try:
+        return _evaluate_vmapped(model, models, data, batch_size, chunk_size)
+    except (RuntimeError, NotImplementedError):  # e.g. a fused RNN kernel without a batch rule
+        n = max(data.num_test, 1)
+        return [
+            (loss / n, correct / n)
+            for loss, correct, _ in (
+                model.evaluate(p, b, data.x_test, data.y_test, batch_size) for p, b in models
+            )
+        ]
+
+
+def _evaluate_vmapped(
+    model: FunctionalModel,
+    models: Sequence[Model],
+    data: ClientData,
+    batch_size: int,
+    chunk_size: int,
+) -> list[tuple[float, float]]:
+    classification = model.task == "classification"
+
+    def one(
+        params: pytree.Tree, buffers: pytree.Tree, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model.forward(params, buffers, x)
+        loss = model.per_sample_loss(out, y).sum()
+        correct = (out.argmax(-1) == y).sum() if classification else loss * 0
+        return loss, correct
+
+    batched = vmap(one, in_dims=(0, 0, None, None))
+    n, out = data.num_test, []
+    model.module.eval()
+    try:
+        with torch.no_grad():
+            for lo in range(0, len(models), chunk_size):
+                part = models[lo : lo + chunk_size]
+                params = {k: torch.stack([m[0][k] for m in part]) for k in part[0][0]}
+                buffers = {k: torch.stack([m[1][k] for m in part]) for k in part[0][1]}
+                device = next(iter(params.values())).device  # where the server keeps its model
+                loss = torch.zeros(len(part), dtype=torch.float64)
+                correct = torch.zeros(len(part), dtype=torch.float64)
+                for start in range(0, n, batch_size):
+                    xb, yb = (
+                        data.x_test[start : start + batch_size],
+                        data.y_test[start : start + batch_size],
+                    )
+                    lb, cb = batched(params, buffers, xb.to(device), yb.to(device))
+                    loss += lb.double().cpu()
+                    correct += cb.double().cpu()
+                out += [(float(loss[j]) / n, float(correct[j]) / n) for j in range(len(part))]
+    finally:
+        model.module.train()
+    return out
+
+
+class RoundGame:
+    """The game of one round: v(S) from the server state before the round's server step and
+    the round's uploads (a coalition is a sorted tuple of client ids)."""
+
+    def __init__(self, engine: Engine, server: State, results: Sequence[ClientResult]) -> None:
+        self.engine = engine
+        self.server = server
+        self.results = {r.client_id: r for r in results}
+        self.metric = engine.config.contribution.metric
+
+    def model(self, coalition: Coalition) -> Model:
+        """The global model the server step builds from ``coalition``'s uploads (the model
+        before the round for the empty coalition, or when the step cannot be taken)."""
+        algorithm = self.engine.algorithm
+        server = self.server
+        if coalition:
+            try:
+                server = algorithm.aggregate(self.server, [self.results[c] for c in coalition])
+            except RoundAborted:  # e.g. a robust rule's precondition: the model is unchanged
+                server = self.server
+        model = algorithm.global_model(server)
+        assert model is not None  # checked when the run starts
+        return model
+
+    def score(self, loss: float, accuracy: float) -> float:
+        return accuracy if self.metric == "accuracy" else -loss
+
+    def many(self, coalitions: list[Coalition]) -> list[float]:
+        """v of each coalition, their models built and evaluated ``CHUNK`` at a time (exact
+        Shapley's 2^n never all in memory); the mechanisms' state (a robust rule's counters)
+        restored."""
+        engine = self.engine
+        pool = engine.validation_pool
+        assert pool is not None  # the engine holds one out when contribution is on
+        batch = engine.config.eval.batch_size
+        values: list[float] = []
+        for lo in range(0, len(coalitions), CHUNK):
+            saved = engine.mechanisms.state_dict()
+            try:
+                models = [self.model(c) for c in coalitions[lo : lo + CHUNK]]
+            finally:
+                engine.mechanisms.load_state_dict(saved)
+            scores = evaluate_models(engine.model, models, pool, batch, CHUNK)
+            values += [self.score(*m) for m in scores]
+        return values
+
+    def __call__(self, coalition: Coalition) -> float:
+        return self.many([coalition])[0]
+
+
+def samples_processed(task: ClientTask) -> int:
+    """Training samples the client's local steps went through (its plan's minibatches)."""
+    return sum(int(batch.numel()) for batch in task.plan)
+
+
+def _keyed(values: dict[int, float]) -> dict[str, float]:
+    return {str(k): v for k, v in sorted(values.items())}
+
+
+class ContributionAndIncentives(Callback):
+    """``contribution`` and ``incentive`` of the run config: the engine calls
+    :meth:`before_server_step` in each round's server step, the callback hooks do the rest."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        contribution, incentive = config.contribution, config.incentive
+        self.valuing = contribution.kind != "none"
+        self.book: IncentiveBook | None = None
+        if incentive.kind != "none":
+            schemes = [s for s in SCHEMES if self.valuing or s not in NEEDS_CONTRIBUTION]
+            head = [incentive.kind, *(s for s in schemes if s != incentive.kind)]
+            self.book = IncentiveBook(head, incentive.budget, incentive.omega, incentive.sub_rounds)
+        cost = incentive.cost
+        self.costs = CostModel(cost.per_sample, cost.per_mb, cost.per_client)
+        self.convergence = Convergence(maximum=contribution.max_permutations)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.total: dict[int, float] = {}
+        """Each client's cumulative contribution (the estimator's reported values)."""
+        self.total_raw: dict[int, float] = {}
+        self.latest: dict[int, float] = {}
+        """Each client's latest per-round value (what rounds not valued pay by)."""
+        self.evaluations = 0
+        self.rounds_valued = 0
+        self.seconds = 0.0
+        self.pending: dict[str, dict[str, Any]] = {"contribution": {}, "incentive": {}}
+        """Per-round entries since the last metrics row (the next row carries them)."""
+        self.pending_seconds = 0.0
+        self.current: Valuation | None = None
+        """The latest valued round's values."""
+        self.game: CachedGame | None = None
+        """... and its game: every coalition value it evaluated (benchmarks, tests)."""
+
+    @classmethod
+    def build(cls, config: RunConfig) -> ContributionAndIncentives | None:
+        """The callback, or None when both sections are off."""
+        if config.contribution.kind == "none" and config.incentive.kind == "none":
+            return None
+        return cls(config)
+
+    # -- the run ---------------------------------------------------------------------------
+    def on_run_start(self, engine: Engine, state: RunState) -> None:
+        if self.valuing:
+            if engine.algorithm.global_model(state.server) is None:
+                raise ConfigError(
+                    f"contribution.kind: {self.config.contribution.kind} values clients by "
+                    f"the global model; {engine.algorithm.name} has none"
+                )
+            assert engine.validation_pool is not None
+            if (
+                self.config.contribution.metric == "accuracy"
+                and engine.data.task != "classification"
+            ):
+                raise ConfigError(
+                    "contribution.metric: accuracy needs a classification task; use loss"
+                )
+        per_client = self.config.incentive.cost.per_client
+        if per_client is not None and len(per_client) < len(engine.train_ids):
+            raise ConfigError(
+                f"incentive.cost.per_client: {len(per_client)} costs for "
+                f"{len(engine.train_ids)} training clients: give one per client"
+            )
+        self._reset()
+        saved = state.mechanisms.get(STATE_KEY)
+        if saved:
+            self.load_state_dict(saved)
+
+    def before_server_step(
+        self, engine: Engine, round: int, state: RunState, results: list[ClientResult]
+    ) -> None:
+        """Value the round's participants (a valued round), from the server state before the
+        server step."""
+        self.current = self.game = None
+        if not self.valuing or round % self.config.contribution.every:
+            return
+        tick = time.perf_counter()
+        cfg = self.config.contribution
+        game = RoundGame(engine, state.server, results)
+        cached = CachedGame(game, game.many)
+        players = sorted(r.client_id for r in results)
+        rng = numpy_rng(self.config.seed, "contribution", round)
+        value = estimate(cfg.kind, cached, players, rng, cfg.tolerance, self.convergence)
+        self.current, self.game = value, cached
+        for c in players:
+            self.total[c] = self.total.get(c, 0.0) + value.reported[c]
+            self.total_raw[c] = self.total_raw.get(c, 0.0) + value.raw[c]
+            self.latest[c] = value.reported[c]
+        self.evaluations += value.evaluations
+        self.rounds_valued += 1
+        self.pending["contribution"][str(round)] = {
+            "values": _keyed(value.reported),
+            **({"raw": _keyed(value.raw)} if value.rescaled is not None else {}),
+            "gain": value.gain,
+            "evaluations": value.evaluations,
+            **({"permutations": value.permutations} if value.permutations else {}),
+            **({"truncated": True} if value.truncated else {}),
+        }
+        seconds = time.perf_counter() - tick
+        self.seconds += seconds
+        self.pending_seconds += seconds
+
+    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+        if self.book is not None and report.results:
+            self.pay(engine, report)
+        if report.evaluate:
+            report.metrics.update(self.row())
+            self.pending = {"contribution": {}, "incentive": {}}
+            self.pending_seconds = 0.0
+        state.mechanisms[STATE_KEY] = self.state_dict()  # checkpointed with the run
+
+    def pay(self, engine: Engine, report: RoundReport) -> None:
+        """Every scheme pays this round's budget to the round's participants."""
+        assert self.book is not None
+        communicates = engine.algorithm.communicates
+        cost: dict[int, float] = {}
+        samples: dict[int, float] = {}
+        for task, result in zip(report.tasks, report.results, strict=True):
+            c = task.client_id
+            up = sum(pytree.num_bytes(t) for t in result.upload.values()) if communicates else 0
+            cost[c] = self.costs.cost(c, samples_processed(task), up)
+            samples[c] = float(task.data.num_train)
+        contribution = {c: self.latest.get(c, 0.0) for c in cost} if self.valuing else None
+        paid = self.book.pay(report.round, cost, contribution, samples)
+        self.pending["incentive"][str(report.round)] = {
+            "pay": {s: _keyed(p) for s, p in paid.items()},
+            "cost": _keyed(cost),
+        }
+
+    def row(self) -> dict[str, Any]:
+        """The metrics row's ``contribution`` and ``incentive`` entries: every round since the
+        previous row, and the running totals (queues, pay, Jain's index per scheme)."""
+        out: dict[str, Any] = {}
+        if self.valuing:
+            out["contribution"] = {
+                "rounds": self.pending["contribution"],
+                "cumulative": _keyed(self.total),
+            }
+            out["seconds"] = {"contribution": self.pending_seconds}
+        if self.book is not None:
+            book = self.book
+            out["incentive"] = {
+                "kind": book.schemes[0],
+                "rounds": self.pending["incentive"],
+                "cumulative": {s: _keyed(book.ledgers[s].paid) for s in book.schemes},
+                "regret": {s: _keyed(book.ledgers[s].regret) for s in book.schemes},
+                "waiting": {s: _keyed(book.ledgers[s].waiting) for s in book.schemes},
+                "jain": {s: book.fairness(s)["jain_payoff_per_cost"] for s in book.schemes},
+                "cost": _keyed(book.cost),
+            }
+        return out
+
+    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
+        if self.valuing:
+            cfg = self.config.contribution
+            summary["contribution"] = {
+                "kind": cfg.kind,
+                "metric": cfg.metric,
+                "per_client": _keyed(self.total),
+                "per_client_raw": _keyed(self.total_raw),
+                "rounds_valued": self.rounds_valued,
+                "evaluations": self.evaluations,
+                "evaluations_per_round": self.evaluations / max(self.rounds_valued, 1),
+                "seconds": self.seconds,
+                "seconds_per_round": self.seconds / max(self.rounds_valued, 1),
+            }
+        if self.book is not None:
+            summary["incentive"] = {
+                "kind": self.book.schemes[0],
+                "budget": self.book.budget,
+                "omega": self.book.omega,
+                "sub_rounds": self.book.sub_rounds,
+                **self.book.summary(),
+            }
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "total": _keyed(self.total),
+            "total_raw": _keyed(self.total_raw),
+            "latest": _keyed(self.latest),
+            "evaluations": self.evaluations,
+            "rounds_valued": self.rounds_valued,
+            "seconds": self.seconds,
+            "pending": self.pending,
+            "pending_seconds": self.pending_seconds,
+            "book": self.book.state_dict() if self.book is not None else None,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        def ints(values: dict[str, float]) -> dict[int, float]:
+            return {int(k): float(v) for k, v in values.items()}
+
+        self.total, self.total_raw = ints(saved["total"]), ints(saved["total_raw"])
+        self.latest = ints(saved["latest"])
+        self.evaluations = int(saved["evaluations"])
+        self.rounds_valued = int(saved["rounds_valued"])
+        self.seconds = float(saved["seconds"])
+        self.pending = saved["pending"]
+        self.pending_seconds = float(saved["pending_seconds"])
+        if self.book is not None and saved.get("book"):
+            self.book.load_state_dict(saved["book"])
+
+
+__all__ = ["ContributionAndIncentives", "RoundGame", "evaluate_models"]

@@ -1,0 +1,16 @@
+"""Federated reinforcement learning (docs/rl.md; issue #18; spec frl.md).
+
+- horizontal FRL: PAvg, personalized PAvg, QAvg and local baselines on K agents with their own
+  environment physics, run as one stacked tensor program (``horizontal``, ``policy_gradient``,
+  ``dqn``, ``aggregate``);
+- vertical federated DQN (Zhuo et al. 2019) and the card's baselines (``vertical_dqn``,
+  ``vertical_agents``);
+- environments: a torch-batched CartPole equal to Gymnasium's step (``cartpole``) and any
+  Gymnasium task through its vector API (``gym_vector``);
+- tabular QAvg and its value-iteration oracle (``tabular``);
+- the YAML contract (``config``) and the runner (``run.run_rl``), which ``fedloom.run``
+  dispatches to for ``data.name: cartpole | acrobot``.
+
+This package's ``__init__`` imports nothing: the API imports ``fedloom.rl.config`` to recognise
+an RL config without loading Gymnasium.
+"""

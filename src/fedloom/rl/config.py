@@ -1,0 +1,278 @@
+"""The YAML contract of federated reinforcement-learning runs (issue #18, docs/rl.md):
+
+```yaml
+seed: 0
+data: {name: cartpole, num_clients: 4, envs_per_client: 16,
+       cartpole: {lengths: [0.25, 0.5, 1.0, 1.5], unseen_lengths: [2.0, 3.0]}}
+model: {name: mlp_policy, hidden: [32]}
+algorithm: {name: pavg}   # pavg | pavg_embedding | qavg | local | local_dqn | vertical_dqn
+train: {rounds: 20, local_steps: 5, lr: 0.01}   # local_steps: E local updates per round
+eval: {every: 1, episodes: 20}
+aggregator: {kind: mean}  # or any robust rule of docs/security.md
+```
+
+A round is E = ``train.local_steps`` local updates (REINFORCE iterations, or DQN iterations of
+one environment step and ``grad_steps`` TD steps) followed by the server's aggregation. This
+module imports nothing heavy: the API uses it to recognise an RL config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from fedloom.config import AggregatorConfig, CheckpointConfig, StrictModel
+from fedloom.core.validation import format_validation_error
+from fedloom.errors import ConfigError, unknown_name_message
+
+RL_ENVS = ("cartpole", "acrobot")
+RL_ALGORITHMS = ("pavg", "pavg_embedding", "qavg", "local", "local_dqn", "vertical_dqn")
+
+
+class CartPoleOptions(StrictModel):
+    """Per-agent CartPole physics (Gymnasium's attribute names; ``length`` is half the pole)."""
+
+    lengths: list[Annotated[float, Field(gt=0.0)]] = Field(
+        default=[0.25, 0.5, 1.0, 1.5], min_length=1
+    )
+    """Training half-lengths; agent k gets ``lengths[k % len(lengths)]``."""
+    unseen_lengths: list[Annotated[float, Field(gt=0.0)]] = Field(default=[2.0, 3.0])
+    """Evaluated only (never trained on): generalisation to new environments."""
+    masspole: float = Field(default=0.1, gt=0.0)
+    masscart: float = Field(default=1.0, gt=0.0)
+    gravity: float = Field(default=9.8, gt=0.0)
+
+
+class AcrobotOptions(StrictModel):
+    """Per-agent Acrobot physics through Gymnasium's vector API (``LINK_MASS_2``)."""
+
+    link_masses: list[Annotated[float, Field(gt=0.0)]] = Field(
+        default=[0.5, 1.0, 1.5, 2.0], min_length=1
+    )
+    unseen_link_masses: list[Annotated[float, Field(gt=0.0)]] = Field(default=[3.0])
+
+
+class RLDataConfig(StrictModel):
+    name: Literal["cartpole", "acrobot"] = "cartpole"
+    root: str | None = None
+    """Unused: the environments are simulated."""
+    num_clients: int = Field(default=4, ge=1)
+    """Agents (vertical_dqn: one environment stream, the parties are set by the algorithm)."""
+    envs_per_client: int = Field(default=16, ge=1)
+    cartpole: CartPoleOptions = CartPoleOptions()
+    acrobot: AcrobotOptions = AcrobotOptions()
+
+    @property
+    def variants(self) -> tuple[list[float], list[float]]:
+        """(training, unseen) values of the varied physics parameter."""
+        if self.name == "cartpole":
+            return list(self.cartpole.lengths), list(self.cartpole.unseen_lengths)
+        return list(self.acrobot.link_masses), list(self.acrobot.unseen_link_masses)
+
+    @property
+    def variant_key(self) -> str:
+        return "length" if self.name == "cartpole" else "link_mass_2"
+
+
+class RLModelConfig(StrictModel):
+    name: Literal["mlp_policy"] = "mlp_policy"
+    hidden: list[Annotated[int, Field(ge=1)]] = Field(default=[32], min_length=1)
+    activation: Literal["tanh", "relu"] | None = None
+    """null: tanh for policies (the spec's 4-32-2 tanh), relu for Q-networks."""
+
+
+class _Algorithm(StrictModel):
+    gamma: float = Field(default=0.99, gt=0.0, le=1.0)
+
+
+class PAvgConfig(_Algorithm):
+    """PAvg: REINFORCE locally, policies averaged every E updates (Jin et al. 2022)."""
+
+    name: Literal["pavg"] = "pavg"
+    mu: float = Field(default=0.0, ge=0.0)
+    """FedProx's proximal coefficient on the local updates (0: plain averaging)."""
+
+
+class PAvgEmbeddingConfig(PAvgConfig):
+    """PAvg with a learned per-environment embedding concatenated to the state (Jin et al.
+    2022, personalization); unseen environments get the agents' mean embedding."""
+
+    name: Literal["pavg_embedding"] = "pavg_embedding"  # type: ignore[assignment]
+    embedding_dim: int = Field(default=2, ge=1)
+
+
+class LocalConfig(_Algorithm):
+    """Independent REINFORCE agents: the local baseline (no communication)."""
+
+    name: Literal["local"] = "local"
+
+
+class _DQN(_Algorithm):
+    buffer: int = Field(default=50_000, ge=1)
+    batch_size: int = Field(default=128, ge=1)
+    grad_steps: int = Field(default=2, ge=1)
+    """TD steps per iteration (one environment step of every environment)."""
+    target_every: int = Field(default=50, ge=1)
+    """Iterations between target-network copies."""
+    learning_starts: int = Field(default=1_000, ge=1)
+    """Transitions per agent in the buffer before TD steps begin."""
+    epsilon_start: float = Field(default=1.0, ge=0.0, le=1.0)
+    epsilon_end: float = Field(default=0.05, ge=0.0, le=1.0)
+    explore_fraction: float = Field(default=0.3, gt=0.0, le=1.0)
+
+
+class QAvgConfig(_DQN):
+    """QAvg: DQN locally, Q-networks averaged every E iterations (Jin et al. 2022)."""
+
+    name: Literal["qavg"] = "qavg"
+    mu: float = Field(default=0.0, ge=0.0)
+
+
+class LocalDQNConfig(_DQN):
+    name: Literal["local_dqn"] = "local_dqn"
+
+
+class VerticalDQNConfig(_DQN):
+    """Vertical federated DQN (Zhuo et al. 2019) and the card's baselines (``mode``)."""
+
+    name: Literal["vertical_dqn"] = "vertical_dqn"
+    mode: Literal["vertical", "party_a", "centralized"] = "vertical"
+    """vertical: A and B by message passing; party_a: the Q-party alone on its features;
+    centralized: one DQN on the full state."""
+    party_a: list[Annotated[int, Field(ge=0)]] = Field(default=[0, 1], min_length=1)
+    """State features of the Q-party A (CartPole: cart position and velocity)."""
+    party_b: list[Annotated[int, Field(ge=0)]] = Field(default=[2, 3], min_length=1)
+    """State features of collaborator B (pole angle and angular velocity)."""
+    bottom: int = Field(default=32, ge=1)
+    """Width of each party's bottom network."""
+    noise_std: float = Field(default=0.0, ge=0.0)
+    """sigma of the Gaussian noise on B's activations."""
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> VerticalDQNConfig:
+        if set(self.party_a) & set(self.party_b):
+            raise ValueError("algorithm.party_a and algorithm.party_b must not share features")
+        return self
+
+
+Algorithm = Annotated[
+    PAvgConfig
+    | PAvgEmbeddingConfig
+    | LocalConfig
+    | QAvgConfig
+    | LocalDQNConfig
+    | VerticalDQNConfig,
+    Field(discriminator="name"),
+]
+
+DEFAULT_LR = {"reinforce": 0.01, "dqn": 5e-4}
+
+
+class RLTrainConfig(StrictModel):
+    rounds: int = Field(default=20, ge=1)
+    local_steps: int = Field(default=5, ge=1)
+    """E: local updates between two aggregations."""
+    lr: float | None = Field(default=None, gt=0.0)
+    """Adam's step size (null: 0.01 for REINFORCE, 5e-4 for DQN)."""
+
+
+class RLEvalConfig(StrictModel):
+    every: int = Field(default=1, ge=1)
+    """Rounds between greedy evaluations (the last round is always evaluated)."""
+    episodes: int = Field(default=20, ge=1)
+    """Greedy episodes per environment."""
+
+
+class RLRunConfig(StrictModel):
+    seed: int = 0
+    data: RLDataConfig = RLDataConfig()
+    model: RLModelConfig = RLModelConfig()
+    algorithm: Algorithm = PAvgConfig()
+    train: RLTrainConfig = RLTrainConfig()
+    eval: RLEvalConfig = RLEvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    aggregator: AggregatorConfig = AggregatorConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> RLRunConfig:
+        algo = self.algorithm
+        if isinstance(algo, VerticalDQNConfig):
+            if self.data.name != "cartpole":
+                raise ValueError("algorithm vertical_dqn: data.name must be cartpole")
+            if max(algo.party_a + algo.party_b) >= 4:
+                raise ValueError("algorithm.party_a/party_b: CartPole has features 0..3")
+        if self.data.name == "acrobot" and self.learner != "reinforce":
+            raise ValueError(
+                f"data.name acrobot (Gymnasium's vector API): algorithm {algo.name} "
+                "needs the batched CartPole; use pavg, pavg_embedding or local"
+            )
+        if self.aggregator.kind != "mean" and not self.averages:
+            raise ValueError(
+                f"aggregator.kind {self.aggregator.kind}: {algo.name} does not "
+                "aggregate (use pavg, pavg_embedding or qavg)"
+            )
+        return self
+
+    @property
+    def averages(self) -> bool:
+        return self.algorithm.name in ("pavg", "pavg_embedding", "qavg")
+
+    @property
+    def learner(self) -> str:
+        return "reinforce" if self.algorithm.name in ("pavg", "pavg_embedding", "local") else "dqn"
+
+    @property
+    def lr(self) -> float:
+        return self.train.lr if self.train.lr is not None else DEFAULT_LR[self.learner]
+
+    @property
+    def activation(self) -> str:
+        if self.model.activation is not None:
+            return self.model.activation
+        return "tanh" if self.learner == "reinforce" else "relu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def is_rl_config(raw: Any) -> bool:
+    """Whether a raw config (mapping or parsed) asks for an RL run: an RL environment or an
+    RL algorithm."""
+    if isinstance(raw, RLRunConfig):
+        return True
+    if not isinstance(raw, dict):
+        return False
+    data, algo = raw.get("data"), raw.get("algorithm")
+    name = data.get("name") if isinstance(data, dict) else None
+    algo_name = algo.get("name") if isinstance(algo, dict) else algo
+    return name in RL_ENVS or algo_name in (
+        "pavg",
+        "pavg_embedding",
+        "qavg",
+        "local_dqn",
+        "vertical_dqn",
+    )
+
+
+def parse_rl_config(raw: Any) -> RLRunConfig:
+    """Validate a raw mapping (or a YAML path); ConfigError naming the key on failure."""
+    if isinstance(raw, RLRunConfig):
+        return raw
+    if isinstance(raw, str | Path):
+        raw = yaml.safe_load(Path(raw).read_text())
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    algo = raw.get("algorithm")
+    name = algo.get("name") if isinstance(algo, dict) else algo
+    if name is not None and name not in RL_ALGORITHMS:
+        raise ConfigError(unknown_name_message("algorithm.name (RL)", str(name), RL_ALGORITHMS))
+    try:
+        return RLRunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, RLRunConfig)) from None

@@ -1,0 +1,251 @@
+"""Horizontal FRL (spec frl.md 2.1; seed 002, HFRL card): K agents, each with its own
+environment physics, trained as one stacked tensor program; every E local updates the server
+aggregates their policies (PAvg, personalized PAvg) or Q-networks (QAvg) and broadcasts the
+result. ``local`` and ``local_dqn`` are the same agents without the server (the card's
+single-agent baseline).
+
+Communication per round: every agent uploads the averaged tensors and downloads the new global
+ones (the personal embedding never leaves the agent).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedloom.core.pytree import Tree, num_bytes
+from fedloom.core.rng import generator
+from fedloom.rl.aggregate import PolicyAggregator, broadcast
+from fedloom.rl.config import PAvgEmbeddingConfig, RLRunConfig
+from fedloom.rl.dqn import DQNTrainer, StackedQ
+from fedloom.rl.envs import agent_variants, make_env
+from fedloom.rl.evaluate import by_environment, greedy_returns
+from fedloom.rl.nets import Adam, init_mlp
+from fedloom.rl.policy_gradient import EMBEDDING, policy_logits, reinforce_grads, rollout
+
+
+class HorizontalAgents:
+    """What both HFRL learners share: the agents' environments, the server step, traffic,
+    evaluation groups and the deployed models."""
+
+    prefix = "pi."
+
+    def __init__(self, cfg: RLRunConfig) -> None:
+        self.cfg = cfg
+        self.k, self.n = cfg.data.num_clients, cfg.data.envs_per_client
+        self.variants = agent_variants(cfg.data)
+        self.env = make_env(cfg.data, self.variants, self.n)
+        self.aggregator = PolicyAggregator(cfg.aggregator, cfg.seed, [float(self.n)] * self.k)
+        self.bytes_up = self.bytes_down = 0
+        self.env_steps = 0
+
+    def _init(self, sizes: list[int]) -> Tree:
+        """Federated agents start from one broadcast initialisation; local ones from their
+        own (stream (seed, "rl/init", client k))."""
+        if self.cfg.averages:
+            one = init_mlp(sizes, 1, generator(self.cfg.seed, "rl/init"), self.prefix)
+            return {k: v.expand(self.k, *v.shape[1:]).clone() for k, v in one.items()}
+        trees = [
+            init_mlp(sizes, 1, generator(self.cfg.seed, "rl/init", client=c), self.prefix)
+            for c in range(self.k)
+        ]
+        return {k: torch.cat([t[k] for t in trees]) for k in trees[0]}
+
+    @property
+    def params(self) -> Tree:
+        raise NotImplementedError
+
+    def shared_keys(self) -> list[str]:
+        return [k for k in self.params if k.startswith(self.prefix)]
+
+    def server_step(self, round: int) -> None:
+        """Aggregate the shared tensors, broadcast the result, count the traffic."""
+        keys = self.shared_keys()
+        self.global_ = self.aggregator(self.params, keys, self.global_, round)
+        broadcast(self.global_, self.params)
+        size = num_bytes(self.global_)
+        self.bytes_up += self.k * size
+        self.bytes_down += self.k * size
+
+    def eval_groups(self) -> tuple[list[int], list[float]]:
+        """(agent index, environment) per evaluation group: each agent in its own training
+        environment; on an unseen one, the global policy (agent 0 after a broadcast) or, for
+        local agents, every agent (averaged)."""
+        _, unseen = self.cfg.data.variants
+        agents, envs = list(range(self.k)), list(self.variants)
+        for u in unseen:
+            pick = self.unseen_agents()
+            agents += pick
+            envs += [u] * len(pick)
+        return agents, envs
+
+    def unseen_agents(self) -> list[int]:
+        return [0] if self.cfg.averages else list(range(self.k))
+
+    def _evaluate_groups(self, logits_fn_for) -> dict[str, dict[str, float]]:
+        """Greedy returns per environment; ``logits_fn_for(agent indices)`` gives the groups'
+        logits function."""
+        agents, envs = self.eval_groups()
+        gen = generator(self.cfg.seed, "rl/eval")
+        returns = greedy_returns(
+            self.cfg.data, logits_fn_for(torch.tensor(agents)), envs, self.cfg.eval.episodes, gen
+        )
+        return by_environment(self.cfg.data, envs, returns)
+
+    def deployed(self) -> tuple[Tree | None, dict[int, Tree]]:
+        """(the global model or None, each agent's deployed model)."""
+        clients = {c: {k: v[c].clone() for k, v in self.params.items()} for c in range(self.k)}
+        glob = None if self.global_ is None else {k: v.clone() for k, v in self.global_.items()}
+        return glob, clients
+
+
+class PolicyAgents(HorizontalAgents):
+    """PAvg, personalized PAvg and local REINFORCE agents (module docstring)."""
+
+    def __init__(self, cfg: RLRunConfig) -> None:
+        super().__init__(cfg)
+        algo = cfg.algorithm
+        emb = algo.embedding_dim if isinstance(algo, PAvgEmbeddingConfig) else 0
+        sizes = [self.env.obs_dim + emb, *cfg.model.hidden, self.env.num_actions]
+        self._params = self._init(sizes)
+        if emb:
+            gen = generator(cfg.seed, "rl/embedding")
+            self._params[EMBEDDING] = 0.1 * torch.randn(self.k, emb, generator=gen)
+        self.opt = Adam(self._params, cfg.lr)
+        self.global_: Tree | None = (
+            {k: v[0].clone() for k, v in self._params.items() if k != EMBEDDING}
+            if cfg.averages
+            else None
+        )
+
+    @property
+    def params(self) -> Tree:
+        return self._params
+
+    def _logits(self, params: Tree):
+        return lambda obs: policy_logits(params, obs, self.cfg.activation)
+
+    def train_round(self, round: int) -> dict[str, Any]:
+        """E REINFORCE iterations of every agent, then the server step."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        mu = getattr(algo, "mu", 0.0)
+        for e in range(cfg.train.local_steps):
+            it = round * cfg.train.local_steps + e
+            ep = rollout(
+                self.env,
+                self._logits(self._params),
+                self.k,
+                generator(cfg.seed, "rl/rollout", round=it),
+            )
+            anchor = None
+            if mu > 0 and self.global_ is not None:
+                anchor = {k: v.expand_as(self._params[k]) for k, v in self.global_.items()}
+            grads, loss = reinforce_grads(
+                self._params, ep, algo.gamma, cfg.activation, anchor=anchor, mu=mu
+            )
+            self.opt.step(self._params, grads)
+            self.env_steps += int(ep.live.sum())
+        if cfg.averages:
+            self.server_step(round)
+        returns = ep.returns.mean(1)
+        return {
+            "train_return": float(returns.mean()),
+            "train_loss": loss,
+            "train_return_by_client": [_sig6(x) for x in returns.tolist()],
+        }
+
+    def unseen_agents(self) -> list[int]:
+        """With embeddings, an unseen environment is played by a virtual agent K: the global
+        policy with the agents' mean embedding."""
+        return [self.k] if EMBEDDING in self._params else super().unseen_agents()
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        params = self._params
+        if EMBEDDING in params:
+            params = {k: torch.cat((v, v[:1])) for k, v in params.items()}
+            params[EMBEDDING][-1] = self._params[EMBEDDING].mean(0)
+        return self._evaluate_groups(
+            lambda idx: self._logits({k: v[idx] for k, v in params.items()})
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "params": self._params,
+            "opt": self.opt.state_dict(),
+            "global": self.global_,
+            "aggregator": self.aggregator.state_dict(),
+            "bytes": [self.bytes_up, self.bytes_down],
+            "env_steps": self.env_steps,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self._params = {k: v.clone() for k, v in saved["params"].items()}
+        self.opt.load_state_dict(saved["opt"])
+        self.global_ = saved["global"]
+        self.aggregator.load_state_dict(saved["aggregator"])
+        self.bytes_up, self.bytes_down = (int(b) for b in saved["bytes"])
+        self.env_steps = int(saved["env_steps"])
+
+
+class QAgents(HorizontalAgents):
+    """QAvg and local DQN agents (module docstring)."""
+
+    prefix = "q."
+
+    def __init__(self, cfg: RLRunConfig) -> None:
+        super().__init__(cfg)
+        algo = cfg.algorithm
+        sizes = [self.env.obs_dim, *cfg.model.hidden, self.env.num_actions]
+        self.q = StackedQ(
+            self.k, sizes, cfg.lr, algo.gamma, generator(cfg.seed, "rl/init"), cfg.activation
+        )
+        self.q.params = self._init(sizes)
+        self.q.sync_target()
+        self.q.mu = getattr(algo, "mu", 0.0)
+        total = cfg.train.rounds * cfg.train.local_steps
+        self.trainer = DQNTrainer(self.q, self.env, self.k, algo, cfg.seed, total)
+        self.global_ = {k: v[0].clone() for k, v in self.q.params.items()} if cfg.averages else None
+
+    @property
+    def params(self) -> Tree:
+        return self.q.params
+
+    def train_round(self, round: int) -> dict[str, Any]:
+        """E DQN iterations of every agent, then the server step."""
+        cfg = self.cfg
+        if self.q.mu > 0 and self.global_ is not None:
+            self.q.anchor = {k: v.expand_as(self.q.params[k]) for k, v in self.global_.items()}
+        for e in range(cfg.train.local_steps):
+            self.trainer.iteration(round * cfg.train.local_steps + e)
+        self.env_steps = self.trainer.env_steps
+        if cfg.averages:
+            self.server_step(round)
+        return self.trainer.take_stats()
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        params = self.q.params
+        return self._evaluate_groups(
+            lambda idx: lambda obs: self.q.q(obs, {k: v[idx] for k, v in params.items()})
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "q": self.q.state_dict(),
+            "trainer": self.trainer.state_dict(),
+            "global": self.global_,
+            "aggregator": self.aggregator.state_dict(),
+            "bytes": [self.bytes_up, self.bytes_down],
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.q.load_state_dict(saved["q"])
+        self.trainer.load_state_dict(saved["trainer"])
+        self.env_steps = self.trainer.env_steps
+        self.global_ = saved["global"]
+        self.aggregator.load_state_dict(saved["aggregator"])
+        self.bytes_up, self.bytes_down = (int(b) for b in saved["bytes"])
+
+
+def _sig6(x: float) -> float:
+    return float(f"{x:.6g}")

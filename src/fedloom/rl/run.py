@@ -1,0 +1,190 @@
+"""An RL run from its config (docs/rl.md): the learner, a greedy evaluation every
+``eval.every`` rounds, checkpoints, and the standard run directory (DESIGN.md 3.5:
+``config.yaml``, ``metrics.jsonl``, ``summary.json``, ``checkpoints/``; the API adds
+``report.html``).
+
+Each metrics row: ``round``, ``train_return`` (mean return of the round's training episodes),
+``train_loss``, ``returns`` (``{"train": {env: mean greedy return}, "unseen": {...}}``), their
+means, cumulative ``communication`` (PAvg/QAvg: parameters up and down; vertical: B's
+activations up, A's gradients down), ``env_steps`` and ``wall_seconds``. A resumed run
+continues from the newest checkpoint and equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedloom.engine.loop import RunResult
+from fedloom.engine.rundir import RunDir, default_run_dir
+from fedloom.engine.threads import torch_threads
+from fedloom.errors import RunDirError
+from fedloom.rl.config import RLRunConfig, VerticalDQNConfig, parse_rl_config
+from fedloom.rl.horizontal import PolicyAgents, QAgents
+from fedloom.rl.vertical_agents import VerticalAgents
+
+
+def build_learner(cfg: RLRunConfig) -> PolicyAgents | QAgents | VerticalAgents:
+    if isinstance(cfg.algorithm, VerticalDQNConfig):
+        return VerticalAgents(cfg)
+    return PolicyAgents(cfg) if cfg.learner == "reinforce" else QAgents(cfg)
+
+
+def _mean(values: dict[str, float]) -> float | None:
+    return sum(values.values()) / len(values) if values else None
+
+
+def _row(round: int, stats: dict[str, Any], returns: dict, learner: Any, wall: float) -> dict:
+    both = {**returns["train"], **returns["unseen"]}
+    return {
+        "round": round,
+        **stats,
+        "returns": returns,
+        "return_train_mean": _mean(returns["train"]),
+        "return_unseen_mean": _mean(returns["unseen"]),
+        "return_mean": _mean(both),
+        "communication": {"bytes_up": learner.bytes_up, "bytes_down": learner.bytes_down},
+        "env_steps": learner.env_steps,
+        "wall_seconds": wall,
+    }
+
+
+def run_rl(
+    config: Any = None,
+    *,
+    out: str | Path | None = None,
+    write: bool = True,
+    resume: str | Path | None = None,
+    on_round: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Run an RL config (mapping, path or :class:`RLRunConfig`), or continue the run directory
+    ``resume`` from its newest checkpoint. ``on_round(r)`` is called after each finished round
+    (tests kill a run through it). The run uses one torch thread: its tensors are small, and
+    one thread is faster for small steps (engine/threads.py, SMALL_STEP_MACS)."""
+    with torch_threads(1):
+        return _run(config, out, write, resume, on_round)
+
+
+def _run(
+    config: Any,
+    out: str | Path | None,
+    write: bool,
+    resume: str | Path | None,
+    on_round: Callable[[int], None] | None,
+) -> RunResult:
+    run_dir: RunDir | None = None
+    if resume is not None:
+        run_dir = RunDir.open_existing(resume)
+        cfg = parse_rl_config(run_dir.config_path)
+        if config is not None and parse_rl_config(config).to_dict() != cfg.to_dict():
+            raise RunDirError(
+                f"cannot resume {run_dir.path}: its config.yaml differs from the "
+                "given config; resume without a config, or start a new run"
+            )
+    else:
+        cfg = parse_rl_config(config)
+        if write:
+            run_dir = RunDir.create(out or default_run_dir(cfg.algorithm.name, cfg.data.name))
+            run_dir.write_config(cfg.to_yaml())
+    learner = build_learner(cfg)
+    history: list[dict[str, Any]] = []
+    start_round, wall_before = 0, 0.0
+    if run_dir is not None and resume is not None:
+        saved = run_dir.latest_checkpoint()
+        if saved is not None:
+            learner.load_state_dict(saved["learner"])
+            start_round, wall_before = int(saved["round"]), float(saved["wall_seconds"])
+            history = list(saved["history"])
+        run_dir.rewrite_metrics(history)
+    rounds, every = cfg.train.rounds, cfg.eval.every
+    start = time.perf_counter() - wall_before
+    eval_seconds = 0.0
+    for r in range(start_round, rounds):
+        stats = learner.train_round(r)
+        done = r + 1
+        if done % every == 0 or done == rounds:
+            t = time.perf_counter()
+            returns = learner.evaluate()
+            eval_seconds += time.perf_counter() - t
+            row = _row(done, stats, returns, learner, time.perf_counter() - start)
+            history.append(row)
+            if run_dir is not None:
+                run_dir.append_metrics(row)
+        ck = cfg.checkpoint.every
+        if run_dir is not None and ck is not None and (done % ck == 0 or done == rounds):
+            payload = {
+                "round": done,
+                "learner": learner.state_dict(),
+                "history": history,
+                "wall_seconds": time.perf_counter() - start,
+            }
+            run_dir.save_checkpoint(done, payload, cfg.checkpoint.keep)
+        if on_round is not None:
+            on_round(done)
+    wall = time.perf_counter() - start
+    summary = _summary(cfg, learner, history[-1], wall, eval_seconds)
+    if run_dir is not None:
+        run_dir.write_json("summary.json", summary)
+    glob, clients = learner.deployed()
+    return RunResult(summary, history, glob, clients, run_dir, extras={"learner": learner})
+
+
+def _summary(cfg: RLRunConfig, learner: Any, last: dict, wall: float, eval_s: float) -> dict:
+    returns = last["returns"]
+    train = returns["train"]
+    algo = cfg.algorithm
+    has_global = cfg.averages
+    train_s = max(wall - eval_s, 1e-9)
+    extra: dict[str, Any] = {
+        "learner": cfg.learner,
+        "environment": cfg.data.name,
+        "local_steps": cfg.train.local_steps,
+        "iterations": cfg.train.rounds * cfg.train.local_steps,
+        "env_steps": learner.env_steps,
+        "env_steps_per_second": learner.env_steps / train_s,
+        "seconds_evaluation": eval_s,
+        "aggregator": learner.aggregator.summary() if has_global else None,
+    }
+    if isinstance(algo, VerticalDQNConfig):
+        extra["vertical"] = {
+            "mode": algo.mode,
+            "noise_std": algo.noise_std,
+            "party_a": algo.party_a,
+            "party_b": algo.party_b,
+            "bytes_by_party": {
+                "party_a": {"sent": learner.bytes_down, "received": learner.bytes_up},
+                "party_b": {"sent": learner.bytes_up, "received": learner.bytes_down},
+            },
+        }
+    return {
+        "algorithm": algo.name,
+        "dataset": cfg.data.name,
+        "num_clients": 2 if isinstance(algo, VerticalDQNConfig) else cfg.data.num_clients,
+        "rounds": cfg.train.rounds,
+        "seed": cfg.seed,
+        "executor": "batched",
+        "final": {
+            "global": (
+                {
+                    "return_train_mean": last["return_train_mean"],
+                    "return_unseen_mean": last["return_unseen_mean"],
+                }
+                if has_global
+                else None
+            ),
+            "personalized": {
+                "return_mean": _mean(train),
+                "return_min": min(train.values()) if train else None,
+            },
+            "returns": returns,
+            "return_train_mean": last["return_train_mean"],
+            "return_unseen_mean": last["return_unseen_mean"],
+            "return_mean": last["return_mean"],
+        },
+        "communication": last["communication"],
+        "wall_seconds": wall,
+        "seconds_per_round": wall / cfg.train.rounds,
+        "rl": extra,
+    }

@@ -1,0 +1,184 @@
+"""``fedloom export RUN_DIR``: the run's deployable models as plain safetensors state dicts and
+a small JSON card saying which file is which copy, the model to load them into, the input
+shape, the classes and the measured metrics (docs/serving.md).
+
+```
+EXPORT/
+  card.json
+  global.safetensors            the server model after the last round
+  ema.safetensors               the debiased EMA of the global model (serving.ema)
+  best.safetensors              the global model of the best validation round (serving.keep_best)
+  clients/client_K.safetensors  client K's deployed (personal) model after the last round
+  clients_best/client_K.safetensors   client K's best deployed model on its validation set
+```
+Each file loads with ``safetensors.torch.load_file`` into ``fedloom.models.build_model(name,
+input_shape, num_outputs).load_state_dict`` (:func:`load_exported` does both). Clients absent
+from ``clients/`` deploy the global model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from fedloom.engine.serving import FILES, META_FILE, SERVING_DIR
+from fedloom.errors import RunDirError
+from fedloom.models import build_model
+
+CARD_FILE = "card.json"
+EXPORT_DIR = "export"
+WHAT = {
+    "global": "the server's global model after the last round",
+    "ema": "exponential moving average of the global model over rounds (debiased)",
+    "best": "the global model of the round with the best validation metric",
+    "clients": "each client's deployed (personal) model after the last round",
+    "clients_best": "each client's deployed model of its best round on its own validation set",
+}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"cannot read {path}: {err}") from None
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, copy: str, model: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(path),
+        metadata={"format": "pt", "copy": copy, "model": model},
+    )
+
+
+def _split_clients(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """``CLIENT/NAME`` keys (engine/serving.py) back into one state dict per client."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        cid, name = key.split("/", 1)
+        out.setdefault(int(cid), {})[name] = value
+    return out
+
+
+def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``out`` (default ``RUN_DIR/export``) from ``RUN_DIR/serving``; returns the card."""
+    run_dir = Path(run_dir)
+    source = run_dir / SERVING_DIR
+    if not (run_dir / "config.yaml").is_file():
+        raise RunDirError(f"{run_dir} is not a fedloom run directory (no config.yaml)")
+    if not (source / META_FILE).is_file():
+        raise RunDirError(
+            f"{run_dir} has no {SERVING_DIR}/{META_FILE}: only runs with a serving section keep "
+            "deployable models (serving: {keep_best: true, ema: 0.99}, docs/serving.md)"
+        )
+    target = Path(out) if out is not None else run_dir / EXPORT_DIR
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise RunDirError(f"export directory {target} exists and is not empty; choose a new --out")
+    meta = _read_json(source / META_FILE)
+    summary_path = run_dir / "summary.json"
+    summary = _read_json(summary_path) if summary_path.is_file() else {}
+    config = _read_json_yaml(run_dir / "config.yaml")
+    model = meta["model"]
+    serving = summary.get("serving") or meta.get("serving") or {}
+    final = summary.get("final") or {}
+    copies: dict[str, Any] = {}
+    for name, filename in meta["files"].items():
+        tensors = load_file(str(source / filename))
+        entry: dict[str, Any] = {"what": WHAT[name]}
+        if name in ("clients", "clients_best"):
+            files = {}
+            for cid, tree in sorted(_split_clients(tensors).items()):
+                rel = f"{name}/client_{cid}.safetensors"
+                _save(tree, target / rel, f"{name}/{cid}", model)
+                files[str(cid)] = rel
+            entry["files"] = files
+        else:
+            _save(tensors, target / filename, name, model)
+            entry["file"] = filename
+        entry.update(_metrics(name, final, serving))
+        copies[name] = entry
+    routing = dict(serving.get("routing") or {})
+    routing.pop("clients", None)
+    card = {
+        "format": "fedloom-export",
+        "version": 1,
+        "model": {"name": model, "config": config.get("model")},
+        "task": meta["task"],
+        "input_shape": meta["input_shape"],
+        "num_outputs": meta["num_outputs"],
+        "classes": list(range(meta["num_outputs"])) if meta["task"] == "classification" else None,
+        "dataset": summary.get("dataset") or (config.get("data") or {}).get("name"),
+        "algorithm": summary.get("algorithm") or (config.get("algorithm") or {}).get("name"),
+        "rounds": meta["rounds"],
+        "seed": config.get("seed"),
+        "source": str(run_dir.resolve()),
+        "copies": copies,
+        "clients_on_global": sorted(set(meta["clients"]) - set(meta["personal"])),
+        **({"routing": routing} if routing else {}),
+        "load": (
+            "fedloom.serving.load_exported(DIR, COPY[, client=K]); or "
+            "fedloom.models.build_model(model.name, input_shape, num_outputs)"
+            ".load_state_dict(safetensors.torch.load_file(FILE))"
+        ),
+    }
+    (target / CARD_FILE).write_text(json.dumps(card, indent=2))
+    return target / CARD_FILE
+
+
+def _read_json_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise RunDirError(f"cannot read {path}: {err}") from None
+
+
+def _metrics(name: str, final: dict[str, Any], serving: dict[str, Any]) -> dict[str, Any]:
+    """What the run measured for one copy (test metrics; for best, its validation value)."""
+    if name == "global":
+        return {"test": final.get("global")}
+    if name == "clients":
+        return {"test": final.get("personalized"), "per_client": final.get("client_accuracy")}
+    if name == "ema":
+        ema = serving.get("ema") or {}
+        return {"decay": ema.get("decay"), "steps": ema.get("steps"), "test": ema.get("test")}
+    if name == "best":
+        best = serving.get("best") or {}
+        return {
+            "round": best.get("round"),
+            "validation": {serving.get("metric", "validation"): best.get("validation")},
+            "test": best.get("test"),
+        }
+    kept = serving.get("clients_best") or {}
+    return {"rounds": kept.get("rounds"), "test": kept.get("test")}
+
+
+def load_exported(folder: str | Path, copy: str = "global", client: int | None = None) -> nn.Module:
+    """The exported ``copy`` (global | ema | best | clients | clients_best) as a torch module
+    in evaluation mode; ``client`` picks a client's file of the per-client copies."""
+    folder = Path(folder)
+    card = _read_json(folder / CARD_FILE)
+    if copy not in card["copies"]:
+        raise RunDirError(f"{folder} has no '{copy}' copy; it has {', '.join(card['copies'])}")
+    entry = card["copies"][copy]
+    if "files" in entry:
+        if client is None or str(client) not in entry["files"]:
+            raise RunDirError(
+                f"'{copy}' is per client: pass client= one of {', '.join(entry['files'])}"
+            )
+        path = folder / entry["files"][str(client)]
+    else:
+        path = folder / entry["file"]
+    module = build_model(card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"])
+    module.load_state_dict(load_file(str(path)))
+    return module.eval()
+
+
+__all__ = ["CARD_FILE", "FILES", "export_run", "load_exported"]

@@ -1,0 +1,159 @@
+"""``tune.html``: the search's results table and Optuna's plots on one offline page."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from collections.abc import Callable
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import optuna
+import plotly.graph_objects as go
+from optuna import visualization as vis
+
+from fedloom.report.figures import Panel
+from fedloom.report.html import CSS, figures_html
+
+PAGE_FILE = "tune.html"
+
+
+def _panel(
+    key: str, title: str, caption: str, make: Callable[[], go.Figure], wide: bool = True
+) -> Panel:
+    """One of Optuna's figures, or a note saying why it could not be drawn."""
+    try:
+        figure = make()
+    except (ValueError, RuntimeError, ZeroDivisionError) as err:
+        return Panel(key, title, caption, note=f"not drawn: {err}", wide=wide)
+    figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 40, "b": 50})
+    return Panel(key, title, caption, figure=figure, wide=wide)
+
+
+def panels(study: optuna.Study, metric: str) -> list[Panel]:
+    params = sorted({p for t in study.get_trials(deepcopy=False) for p in t.params})
+    out = [
+        _panel(
+            "history",
+            "Optimization history",
+            f"{metric} of each complete trial and the best so far.",
+            lambda: vis.plot_optimization_history(study, target_name=metric),
+        ),
+        _panel(
+            "intermediate",
+            "Learning curves (the fidelity)",
+            "The validation metric each trial reported per round; pruned trials stop early.",
+            lambda: vis.plot_intermediate_values(study),
+        ),
+        _panel(
+            "slice",
+            "Slice plot",
+            "Each parameter's values against the metric.",
+            lambda: vis.plot_slice(study, target_name=metric),
+        ),
+    ]
+    if len(params) > 1:
+        out.append(
+            _panel(
+                "parallel",
+                "Parallel coordinates",
+                "Every complete trial's values, coloured by the metric.",
+                lambda: vis.plot_parallel_coordinate(study, target_name=metric),
+            )
+        )
+        out.append(
+            _panel(
+                "importance",
+                "Parameter importances",
+                "fANOVA importances (Hutter et al., ICML 2014) over the complete trials.",
+                lambda: vis.plot_param_importances(study, target_name=metric),
+            )
+        )
+    return out
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return escape(str(value))
+
+
+def table_html(rows: list[dict[str, Any]], best: int | None) -> str:
+    params = sorted({p for r in rows for p in r["params"]})
+    head = "".join(f"<th>{escape(h)}</th>" for h in ["trial", "state", "rounds", "value", *params])
+    body = []
+    for r in rows:
+        mark = ' class="best"' if r["number"] == best else ""
+        value = r["value"] if r["value"] is not None else r["last_reported"]
+        state = r["state"] + (" (diverged)" if "diverged" in r else "")
+        cells = [r["number"], state, r["rounds"], value, *(r["params"].get(p) for p in params)]
+        body.append(f"<tr{mark}>" + "".join(f"<td>{_cell(c)}</td>" for c in cells) + "</tr>")
+    return (
+        '<section class="panel wide"><h2>Trials</h2>'
+        '<p class="caption">Value: the last validation value of a complete trial (for a '
+        "pruned one, the last it reported). The best trial is highlighted.</p>"
+        f'<table class="trials"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody>'
+        "</table></section>"
+    )
+
+
+def render_page(study: optuna.Study, summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    best = summary.get("best") or {}
+    trials = summary["trials"]
+    facts = [
+        ("metric", f"{summary['metric']} ({summary['direction']})"),
+        ("pruner", summary["pruner"]),
+        ("sampler seed", summary["seed"]),
+        (
+            "finished",
+            f"{trials['finished']} ({trials['complete']} complete, {trials['pruned']} pruned)",
+        ),
+        (
+            "rounds spent",
+            f"{summary['rounds_spent']} of {summary['rounds_without_pruning']} without pruning",
+        ),
+    ]
+    if best:
+        params = ", ".join(f"{k}={_cell(v)}" for k, v in best["params"].items())
+        facts.append(("best", f"trial {best['number']}: {_cell(best['value'])} ({params})"))
+    chips = "".join(
+        f'<span class="chip"><span class="k">{escape(k)}</span> {escape(str(v))}</span>'
+        for k, v in facts
+    )
+    body = [
+        '<header class="run"><div class="eyebrow">fedloom tune</div>'
+        f"<h1>Hyperparameter search · {escape(summary['study_name'])}</h1>"
+        f'<div class="chips">{chips}</div></header>',
+        table_html(rows, best.get("number")),
+        figures_html(panels(study, summary["metric"])),
+        f"<footer>Generated by fedloom on {_dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}."
+        " Self-contained: works offline.</footer>",
+    ]
+    style = (
+        CSS
+        + "table.trials{border-collapse:collapse;font-size:13px}"
+        + (
+            "table.trials td,table.trials th{padding:3px 10px;border-bottom:1px solid var(--line);"
+            "text-align:right}tr.best{background:#e7f5ea;font-weight:600}"
+        )
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        "<title>fedloom tune</title>\n"
+        f'<style>{style}</style>\n</head>\n<body>\n<main class="page">\n'
+        + "\n".join(body)
+        + "\n</main>\n</body>\n</html>\n"
+    )
+
+
+def write_page(
+    study: optuna.Study, summary: dict[str, Any], rows: list[dict[str, Any]], out: Path
+) -> Path:
+    target = out / PAGE_FILE
+    tmp = target.with_name(f".{PAGE_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(render_page(study, summary, rows), encoding="utf-8")
+    os.replace(tmp, target)
+    return target
