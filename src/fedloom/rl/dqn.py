@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
-from fedloom.rl.nets import Adam, init_mlp, mlp
+from fedloom.rl.nets import OnlineAndTarget, init_mlp, mlp
 from fedloom.solvers.steps import proximal_gradient
 
 
@@ -124,7 +124,7 @@ def td_loss(q: torch.Tensor, actions: torch.Tensor, target: torch.Tensor) -> tor
     return F.mse_loss(chosen, target, reduction="none").mean(-1).sum()
 
 
-class StackedQ:
+class StackedQ(OnlineAndTarget):
     """K Q-networks (``q.*`` keys), their target copies and one Adam: QAvg's agents, and the
     vertical DQN's baselines (one agent on a subset of the features)."""
 
@@ -138,9 +138,7 @@ class StackedQ:
         activation: str = "relu",
         features: list[int] | None = None,
     ) -> None:
-        self.params = init_mlp(sizes, agents, gen, prefix="q.")
-        self.target = {k: v.clone() for k, v in self.params.items()}
-        self.opt = Adam(self.params, lr)
+        super().__init__(init_mlp(sizes, agents, gen, prefix="q."), lr)
         self.gamma, self.activation, self.features = gamma, activation, features
         self.anchor: Tree | None = None
         """QAvg with FedProx: the last broadcast Q-network, stacked (set by the server)."""
@@ -171,17 +169,6 @@ class StackedQ:
                 grads[k] = grads[k] + v
         self.opt.step(self.params, grads)
         return float(loss.detach())
-
-    def sync_target(self) -> None:
-        self.target = {k: v.clone() for k, v in self.params.items()}
-
-    def state_dict(self) -> dict[str, object]:
-        return {"params": self.params, "target": self.target, "opt": self.opt.state_dict()}
-
-    def load_state_dict(self, saved: dict) -> None:
-        self.params = {k: v.clone() for k, v in saved["params"].items()}
-        self.target = {k: v.clone() for k, v in saved["target"].items()}
-        self.opt.load_state_dict(saved["opt"])
 
 
 class QLearner(Protocol):

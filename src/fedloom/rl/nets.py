@@ -90,3 +90,24 @@ class Adam:
         self.m = {k: v.clone() for k, v in saved["m"].items()}
         self.v = {k: v.clone() for k, v in saved["v"].items()}
         self.t = int(saved["t"])
+
+
+class OnlineAndTarget:
+    """A Q-network's parameter tree, its target copy (DQN's fixed targets, Mnih et al. 2015)
+    and its Adam: what a DQN learner and each party of the vertical DQN checkpoint."""
+
+    def __init__(self, params: Tree, lr: float) -> None:
+        self.params = params
+        self.target = {k: v.clone() for k, v in params.items()}
+        self.opt = Adam(params, lr)
+
+    def sync_target(self) -> None:
+        self.target = {k: v.clone() for k, v in self.params.items()}
+
+    def state_dict(self) -> dict[str, object]:
+        return {"params": self.params, "target": self.target, "opt": self.opt.state_dict()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.params = {k: v.clone() for k, v in saved["params"].items()}
+        self.target = {k: v.clone() for k, v in saved["target"].items()}
+        self.opt.load_state_dict(saved["opt"])

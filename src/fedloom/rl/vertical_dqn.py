@@ -25,7 +25,7 @@ import torch
 
 from fedloom.core.pytree import Tree, num_bytes
 from fedloom.rl.dqn import Batch, td_loss, td_target
-from fedloom.rl.nets import Adam, init_mlp, mlp
+from fedloom.rl.nets import OnlineAndTarget, init_mlp, mlp
 
 
 @dataclass
@@ -50,24 +50,8 @@ class Wire:
         return tensor.detach().clone()
 
 
-class Party:
-    """One party's networks (a tree under its own key prefixes), target copy and Adam."""
-
-    def __init__(self, params: Tree, lr: float) -> None:
-        self.params = params
-        self.target = {k: v.clone() for k, v in params.items()}
-        self.opt = Adam(params, lr)
-
-    def sync_target(self) -> None:
-        self.target = {k: v.clone() for k, v in self.params.items()}
-
-    def state_dict(self) -> dict[str, object]:
-        return {"params": self.params, "target": self.target, "opt": self.opt.state_dict()}
-
-    def load_state_dict(self, saved: dict) -> None:
-        self.params = {k: v.clone() for k, v in saved["params"].items()}
-        self.target = {k: v.clone() for k, v in saved["target"].items()}
-        self.opt.load_state_dict(saved["opt"])
+Party = OnlineAndTarget
+"""One party's networks (a tree under its own key prefixes), target copy and Adam."""
 
 
 class VerticalQ:
