@@ -18,6 +18,8 @@ def config(**tracking) -> dict:
         "algorithm": {"name": "fedavg"},
         "train": {"rounds": 3, "local_steps": 2, "batch_size": 32},
         "eval": {"every": 1},
+        # the exporters, not the executor, are under test: no forked workers (auto may fork)
+        "executor": {"kind": "sequential"},
         "tracking": tracking,
     }
 
