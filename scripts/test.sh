@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install everything and run the whole test suite (what CI runs).
+# Install everything and run the test suite: the cheap tests by default (what CI runs; the heavy
+# ones are counted in the summary), `--heavy` only the heavy ones, `--all` every test. Other
+# arguments go to pytest (tests/conftest.py: the heavy mark and the time budgets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

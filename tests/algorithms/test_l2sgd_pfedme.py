@@ -318,7 +318,7 @@ def test_pfedme_config_is_validated(data):
 # -- learning (tests/algorithms/pfl_setup.py: Fashion-MNIST, 2 label shards per client) --------
 
 
-@pytest.mark.slow
+@pytest.mark.heavy(budget=60)  # measured 26 s on a loaded 2-core machine
 def test_l2sgd_personal_models_beat_fedavg_on_label_skew():
     # Full participation (the paper's setting), 10 rounds; train.lr = 0.9 gives local steps of
     # 0.9 / (K (1-p)) = 0.05 (FedAvg's), averaging steps 0.9 * 0.1 / (20 * 0.1) = 0.045, and
@@ -332,7 +332,7 @@ def test_l2sgd_personal_models_beat_fedavg_on_label_skew():
     assert result.summary["final"]["global"] is not None
 
 
-@pytest.mark.slow
+@pytest.mark.heavy(budget=45)  # measured 16 s on a loaded 2-core machine
 def test_pfedme_personal_models_beat_fedavg_on_label_skew():
     # 10 rounds of R = 10 local rounds with K = 5 inner steps (5x FedAvg's gradient steps per
     # local step): lam = 1 lets the personal models move away from omega; eta lam = 0.5.

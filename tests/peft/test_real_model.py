@@ -9,7 +9,7 @@ import pytest
 
 import fedloom
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy(budget=180)  # measured 80 s on a loaded 2-core machine
 
 
 def _config(share: str, algorithm: str = "fedavg", rounds: int = 3) -> dict:

@@ -8,6 +8,8 @@ import torch
 from torch.func import vmap
 
 import fedloom
+from fedloom.algorithms.base import PlainSGDProgram
+from fedloom.models import MLP
 from fedloom.solvers.ops import AUTOGRAD, FUNC, FUNC_IN_PLACE, FuncOps
 from tests.engine.test_executor_equivalence import assert_same, config
 
@@ -66,7 +68,9 @@ def test_vectorized_rounds_step_in_place_unless_a_client_is_masked(algorithm, mo
     prefix of the chunk: every step is in place. FedRep's body phase starts after a head phase
     as long as the client's epoch, so at some steps a chunk holds clients in either phase and
     the body update masks those still in the head phase: out of place there. The numbers
-    equal the sequential executor's either way."""
+    equal the sequential executor's either way. (The 2NN is made non-sample-wise here, so
+    FedAvg takes the vmap path instead of the stacked one: tests/solvers/test_stacked.py.)"""
+    monkeypatch.setattr(MLP, "samplewise", False)
     seen: list[bool] = []
     original = FuncOps.descend
 
@@ -82,3 +86,29 @@ def test_vectorized_rounds_step_in_place_unless_a_client_is_masked(algorithm, mo
     assert_same(seq, vec)
     assert True in seen
     assert (False in seen) == (algorithm == "fedrep")
+
+
+def test_fedavg_on_a_samplewise_model_runs_stacked_not_vmapped(monkeypatch):
+    """The FedAvg family's program on the built-in 2NN: every step of the vectorized round is
+    the stacked step (core/stacked.py), none a vmapped descend."""
+    descends: list[bool] = []
+    stacked: list[int] = []
+    original_descend, original_step = FuncOps.descend, PlainSGDProgram.stacked_step
+
+    def spy_descend(self: FuncOps, params, grads, lr):  # type: ignore[no-untyped-def]
+        descends.append(self.in_place)
+        return original_descend(self, params, grads, lr)
+
+    def spy_step(self, carry, batches, shared):  # type: ignore[no-untyped-def]
+        stacked.append(batches[0].x.shape[0])
+        return original_step(self, carry, batches, shared)
+
+    monkeypatch.setattr(FuncOps, "descend", spy_descend)
+    monkeypatch.setattr(PlainSGDProgram, "stacked_step", spy_step)
+    seq = fedloom.run(config("fedavg", "mlp", {"kind": "sequential"}, 16), write=False)
+    vec = fedloom.run(
+        config("fedavg", "mlp", {"kind": "vectorized", "chunk_size": 3}, 16), write=False
+    )
+    assert_same(seq, vec)
+    assert stacked and max(stacked) == 3 and 1 in stacked  # chunks of 3, down to the last
+    assert not descends

@@ -290,6 +290,9 @@ class APFLProgram(StepProgram):
         super().__init__(algorithm)
         self.config = algorithm.config
 
+    def passes_per_step(self) -> float:
+        return 2.0  # theta_k's gradient and the mixed model's
+
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         assert state is not None
         plan_length = len(self.algorithm.client_plan(task))

@@ -25,6 +25,7 @@ from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops
 from fedloom.solvers.dpsgd import DPSGD, private_grad
 from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
 from fedloom.solvers.sequential import run_client
+from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_correction, stacked_sgd_step
 
 
 class AlgorithmConfig(BaseModel):
@@ -208,6 +209,43 @@ class Algorithm:
         model = self.global_model(server)
         assert model is not None, f"{self.name} must override deployed_model"
         return model
+
+    def deployed_models(
+        self,
+        server: State,
+        states: Sequence[State | None],
+        tasks: Sequence[ClientTask],
+        batched: bool = False,
+    ) -> list[tuple[Tree, Tree]]:
+        """Every client's ``deployed_model``. ``batched``: the executor runs clients stacked,
+        and an algorithm whose deployment trains (fine-tuning) may train all of them at once
+        (``finetuned_models``)."""
+        return [self.deployed_model(server, s, t) for s, t in zip(states, tasks, strict=True)]
+
+    def deployment_trains(self) -> bool:
+        """Whether ``deployed_model`` trains (fine-tunes on the client's data): executors
+        with worker processes then run the deployments there (engine/processes.py)."""
+        return False
+
+    def finetuned_models(
+        self,
+        start: tuple[Tree, Tree],
+        tasks: Sequence[ClientTask],
+        steps: int,
+        purpose: str,
+        lr: float,
+    ) -> list[tuple[Tree, Tree]] | None:
+        """``start`` after ``steps`` SGD steps at ``lr`` on each client's training data
+        (minibatches from the stream (seed, purpose, round, client)), every client at once on
+        the stacked model (solvers/stacked_sgd.py); None when the model cannot run stacked."""
+        model = self.ctx.model
+        if model.stacked() is None:
+            return None
+        plans = [
+            self.ctx.make_plan(t.data, steps, purpose, t.round, t.client_id) if steps else []
+            for t in tasks
+        ]
+        return finetune_stacked(model, [start] * len(tasks), [t.data for t in tasks], plans, lr)
 
     # -- monitoring -------------------------------------------------------------------------
     def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
@@ -429,7 +467,40 @@ class PlainSGDProgram(SGDProgram):
     """:class:`SGDProgram` as it is (the FedAvg family's default program): the sequential
     backend runs it on the lean flat-buffer trainer, the same SGD fused for one client
     (executor-equivalence tests hold the two paths to 1e-4). Not for subclassing: a program
-    with a step of its own derives from :class:`SGDProgram`."""
+    with a step of its own derives from :class:`SGDProgram`.
+
+    On a stackable model (core/stacked.py) the vmap backend runs the step for a whole chunk
+    without ``vmap`` (``stacked_step``), except under sample-level DP."""
+
+    def __init__(self, algorithm: Algorithm) -> None:
+        super().__init__(algorithm)
+        if self.private is None and self.model.stacked() is not None:
+            self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=self.stacked_step),)
+
+    def stacked_step(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        """``step`` for C clients at once, in place on the stacked carry."""
+        (batch,) = batches
+        params = carry["params"]
+        extra = None
+        if self.corrected:
+            message, algorithm = shared["message"], self.algorithm
+
+            def correction(p: Tree, state: State | None) -> Tree | None:
+                return algorithm.local_correction(p, message, state)
+
+            extra = stacked_correction(correction, params, carry.get("state"))
+        loss = stacked_sgd_step(
+            self.model,
+            params,
+            batch,
+            float(shared["lr"]),
+            extra,
+            carry.get("velocity"),
+            self.momentum,
+        )
+        return carry, {"loss": loss}
 
     def run_lean(
         self, message: Message, state: State | None, task: ClientTask

@@ -4,6 +4,8 @@ baseline of seed 004, section 三)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import Field
 
 from fedloom.algorithms.base import AlgorithmConfig
@@ -22,6 +24,23 @@ class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     summary = "FedAvg, then k local fine-tuning steps per client before evaluation"
     Config = FedAvgFTConfig
+
+    def deployment_trains(self) -> bool:
+        return self.config.finetune_steps > 0
+
+    def deployed_models(
+        self,
+        server: State,
+        states: Sequence[State | None],
+        tasks: Sequence[ClientTask],
+        batched: bool = False,
+    ) -> list[tuple[Tree, Tree]]:
+        """Every client's fine-tuning at once when the executor runs clients stacked."""
+        start = (server["params"], server["buffers"])
+        lr = self.config.finetune_lr or self.ctx.lr
+        steps = self.config.finetune_steps
+        models = self.finetuned_models(start, tasks, steps, "finetune", lr) if batched else None
+        return models if models is not None else super().deployed_models(server, states, tasks)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

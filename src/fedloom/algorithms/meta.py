@@ -17,6 +17,7 @@ Reptile: train.lr). The cold-start evaluation starts a new client from theta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field
@@ -62,6 +63,28 @@ class AdaptedDeployment(Algorithm):
         train.lr)."""
         lr = self.adaptation_lr()
         return lr if lr is not None else self.ctx.lr
+
+    def deployment_trains(self) -> bool:
+        return self.config.adapt_steps > 0  # type: ignore[attr-defined]
+
+    def deployed_models(
+        self,
+        server: State,
+        states: Sequence[State | None],
+        tasks: Sequence[ClientTask],
+        batched: bool = False,
+    ) -> list[tuple[Tree, Tree]]:
+        """Every client's adaptation at once when the executor runs clients stacked (clients
+        without training data keep theta)."""
+        theta = self.global_model(server)
+        assert theta is not None
+        steps: int = self.config.adapt_steps  # type: ignore[attr-defined]
+        models = (
+            self.finetuned_models(theta, tasks, steps, ADAPT_PURPOSE, self.deployment_lr())
+            if batched and steps
+            else None
+        )
+        return models if models is not None else super().deployed_models(server, states, tasks)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

@@ -199,6 +199,11 @@ class PerFedAvgProgram(ClientProgram):
         plans = (BATCHES, OUTER, HESSIAN) if self.config.variant == "hf" else (BATCHES, OUTER)
         self.updates = (Update("meta", plans, self.step),)
 
+    def passes_per_step(self) -> float:
+        """The inner step's gradient and the outer one (fo); a Hessian-vector product more
+        (hf); the outer gradient through K inner steps (so)."""
+        return {"fo": 2.0, "hf": 3.0}.get(self.config.variant, 2.0 * self.config.inner_steps + 1)
+
     def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
         """D from the engine's plan; D' and D'' as many from their own streams."""
         steps = len(task.plan)

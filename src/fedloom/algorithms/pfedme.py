@@ -89,6 +89,9 @@ class PFedMe(Algorithm):
 class PFedMeProgram(StepProgram):
     """pFedMe's local rounds: per minibatch, K prox steps on theta_k, then omega's step (6)."""
 
+    def passes_per_step(self) -> float:
+        return float(self.algorithm.config.inner_steps)
+
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         """omega <- theta, theta_k <- theta (the broadcast model)."""
         return {

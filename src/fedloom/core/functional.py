@@ -13,6 +13,7 @@ from torch.func import functional_call
 from fedloom.core.lean import LeanModule
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import seed_for
+from fedloom.core.stacked import StackedModel, stackable
 from fedloom.models.base import FedModel
 
 
@@ -29,6 +30,7 @@ class FunctionalModel:
         self.task = task
         self.param_keys = [n for n, _ in module.named_parameters()]
         self._lean: LeanModule | None = None
+        self._stacked: StackedModel | None = None
         self.has_dropout = any(
             isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in module.modules()
         )
@@ -49,8 +51,16 @@ class FunctionalModel:
             self._lean = LeanModule(self.module)
         return self._lean
 
+    def stacked(self) -> StackedModel | None:
+        """The model run for many clients at once without ``vmap`` (core/stacked.py), or
+        None when it cannot run so (not sample-wise, or layers other than linear and
+        convolution hold parameters)."""
+        if self._stacked is None and stackable(self.module):
+            self._stacked = StackedModel(self.module)
+        return self._stacked
+
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_lean": None}
+        return {**self.__dict__, "_lean": None, "_stacked": None}
 
     def initial_state(self, seed: int) -> tuple[Tree, Tree]:
         """Fresh (params, buffers) from the stream (seed, 'init'): the same for every executor."""

@@ -1,20 +1,39 @@
 """``executor.kind: auto``: pick the sequential (lean) executor, the vectorized executor, or
-sequential in one worker process per core, and the thread count, for this model and data by
-timing a few local steps of each on the first round.
+sequential in one worker process per core, and the thread count, from the shape of the
+workload, with a cost model (docs/executors.md; calibration in benchmarks/README.md, "Auto's
+cost model").
 
-Tiny models win big from vmap (thousands of clients per call); large convolutional models do
-not (grouped convolutions under vmap are slower than one client at a time), and in between it
-depends on the machine. Timing the real model on the real minibatches decides. The choice is
-made once, reported in ``choice`` (and in the run summary), and kept in checkpoints so that a
+The choice is a deterministic function of the config, the data, the model and the machine's
+core count: nothing is timed while the run goes. A choice made from timings would differ
+from one run of a config to the next on a machine shared with other work, and with it the
+last bits of every number (sequential and vectorized sum in different orders; so do 1 and 2
+threads), so two runs of one config and seed would not be equal. The cost model's constants
+were measured once on the reference machine (2 cores) by ``benchmarks/auto_choice.py``, which
+also reports, for each benchmark workload, auto's pick next to the best fixed executor.
+
+The model, per round, for ``n`` clients of ``S`` local steps of ``U`` updates each, minibatches
+of ``B`` samples, a model of ``P`` parameters and ``M`` multiply-accumulates per sample
+(``F = 6 B M`` floating-point operations for a forward and backward pass)::
+
+    sequential, T threads   n (CLIENT + S U (STEP + F / rate(T)))
+    processes, W workers    sequential(1) / W + n SHIP(P) + POOL
+    vectorized, T threads   chunks S U (VSTEP + c (F / vrate(T) + TOUCH P / bandwidth(T)))
+                            + n VCLIENT
+
+where c is the chunk size and VSTEP the fixed cost of one batched step: small for the stacked
+path (core/stacked.py), larger under ``vmap``. The choice is reported in ``choice`` (and the
+run summary) with every candidate's estimate in ``estimates``, and kept in checkpoints so a
 resumed run continues on the same executor.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import time
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
 
 from fedloom.algorithms.base import Algorithm
 from fedloom.config import ExecutorConfig
@@ -25,18 +44,118 @@ from fedloom.engine.executor import States
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.processes import MultiprocessExecutor
 from fedloom.engine.sequential import SequentialExecutor
-from fedloom.engine.threads import torch_threads
+from fedloom.engine.threads import SMALL_STEP_MACS, macs_per_sample, torch_threads
 from fedloom.engine.vectorized import VectorizedExecutor
 from fedloom.errors import ConfigError
+from fedloom.solvers.program import ClientProgram
 
-PROBE_STEPS = 4
-PROBE_CLIENTS = 8
-PROBE_MAX_REPEATS = 5
-PROBE_SECONDS = 0.3
-"""Each candidate's short and long probes are repeated (the fastest kept) until about this
-much time was spent on them, at most PROBE_MAX_REPEATS times."""
-PROBE_VECTOR_SECONDS = 2.0
-"""The vectorized candidate probes as many clients as fit about this long a pass."""
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds and rates of the reference machine (benchmarks/README.md, "Auto's cost
+    model"); see the module doc for where each enters."""
+
+    client: float = 2.0e-4
+    """Per client and round, one client at a time: plans, carry, result."""
+    step: float = 3.0e-4
+    """Per update, one client at a time on the lean trainer (the FedAvg family): the autograd
+    engine and a dozen small kernels."""
+    generic_step: float = 6.0e-4
+    """The same for a program stepped through its updates (``functional_call`` per pass)."""
+    rate: float = 100e9
+    """Floating-point operations per second of one client's step of a linear model, one
+    thread."""
+    conv_rate: float = 40e9
+    """The same for a model with convolutions."""
+    thread_speedup: float = 1.6
+    """A step of at least SMALL_STEP_MACS on every core against one (smaller steps do not
+    speed up with threads: the sequential candidate on all cores is not considered)."""
+    ship: float = 4.0e-3
+    """Per client and round, worker processes: pickling and moving its work and result."""
+    ship_bandwidth: float = 1.0e9
+    """Bytes per second a worker process's message, state and result travel at."""
+    pool: float = 2.0e-2
+    """Per round, worker processes: submitting and collecting the groups."""
+    stacked_step: float = 3.0e-4
+    """Per batched update, the stacked path (core/stacked.py)."""
+    vmap_step: float = 2.5e-3
+    """Per batched update under ``vmap``."""
+    vector_rate: float = 100e9
+    """Floating-point operations per second of a batched linear model's step, one thread."""
+    conv_vector_rate: float = 40e9
+    """The same for a model with convolutions: one grouped convolution runs at about the
+    sequential backend's rate per FLOP (measured at 8x8 and 28x28 inputs)."""
+    bandwidth: float = 25e9
+    """Bytes per second a batched step streams its clients' parameters at, one thread."""
+    touch: float = 12.0
+    """Bytes per parameter and client a stacked step streams (read; read and write)."""
+    vmap_touch: float = 12.0
+    """The same under ``vmap`` (gradients are formed, then applied)."""
+    vector_client: float = 1.0e-4
+    """Per client and round, vectorized: stacking, result, finish."""
+    thread_scaling: float = 1.5
+    """Batched work on every core against one (the clients split across the cores)."""
+
+
+COSTS = CostModel()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost model reads of a round: clients, mean local steps, gradient passes per
+    step (``updates``: ``ClientProgram.passes_per_step``), mean minibatch size, parameters,
+    forward multiply-accumulates per sample, whether the model has convolutions and whether the
+    vectorized backend runs it stacked (without ``vmap``)."""
+
+    clients: int
+    steps: float
+    updates: float
+    batch: float
+    params: int
+    macs: int
+    conv: bool
+    stacked: bool
+    lean: bool = True
+    """The sequential backend runs the program on its fused one-client trainer."""
+
+    @property
+    def flops(self) -> float:
+        """Floating-point operations of one gradient pass of one client (forward and backward)."""
+        return 6.0 * self.batch * self.macs
+
+
+def estimate(
+    kind: str, threads: int, shape: Shape, chunk: int, costs: CostModel = COSTS
+) -> float:
+    """Estimated seconds of one round of ``shape`` on candidate ``kind`` (``sequential``,
+    ``vectorized`` or ``processes=W``) at ``threads`` intra-op threads."""
+    updates = shape.clients * shape.steps * shape.updates
+    if kind.startswith("processes="):
+        workers = int(kind.split("=")[1])
+        # the message and a state in, the upload and a new state out, float32
+        ship = shape.clients * (costs.ship + 4 * 4 * shape.params / costs.ship_bandwidth)
+        return estimate("sequential", 1, shape, chunk, costs) / workers + ship + costs.pool
+    speedup = 1.0 if threads == 1 else costs.thread_speedup
+    if kind == "sequential":
+        rate = (costs.conv_rate if shape.conv else costs.rate) * speedup
+        per_update = (costs.step if shape.lean else costs.generic_step) + shape.flops / rate
+        return shape.clients * costs.client + updates * per_update
+    scaling = 1.0 if threads == 1 else costs.thread_scaling
+    rate = (costs.conv_vector_rate if shape.conv else costs.vector_rate) * scaling
+    fixed = costs.stacked_step if shape.stacked else costs.vmap_step
+    touch = costs.touch if shape.stacked else costs.vmap_touch
+    per_client = shape.flops / rate + touch * shape.params / (costs.bandwidth * scaling)
+    chunks = math.ceil(shape.clients / max(1, chunk))
+    batched_updates = chunks * shape.steps * shape.updates
+    return batched_updates * fixed + updates * per_client + shape.clients * costs.vector_client
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return os.cpu_count() or 1
 
 
 class AutoExecutor:
@@ -55,14 +174,16 @@ class AutoExecutor:
             if config.device == "cuda":
                 raise
             # a model vmap cannot reproduce (dropout): the other candidates only
-        cores = os.cpu_count() or 1
+        self.cores = usable_cores()
         self.processes: MultiprocessExecutor | None = None
-        if cores > 1 and config.device == "cpu":
-            workers = config.workers or cores
+        if self.cores > 1 and config.device == "cpu":
+            workers = config.workers or self.cores
             self.processes = MultiprocessExecutor(SequentialExecutor(model), workers, 1)
         self.choice: str | None = None
         """'sequential/threads=T', 'vectorized/threads=T' or 'processes=N/threads=1'."""
-        self.timings: dict[str, float] = {}
+        self.estimates: dict[str, float] = {}
+        """Each candidate's estimated seconds per round (the cost model's, not measured)."""
+        self._macs: int | None = None
 
     def prepare(self, clients: dict[int, ClientData]) -> None:
         for executor in (self.vectorized, self.processes):
@@ -83,98 +204,78 @@ class AutoExecutor:
         assert self.processes is not None
         return self.processes
 
+    @property
+    def batches_clients(self) -> bool:
+        return (self.choice or "").startswith("vectorized")
+
+    def _chosen(self) -> Any:
+        """The chosen executor (the sequential one before the first round)."""
+        return self._executor(self.choice.split("/")[0]) if self.choice else self.sequential
+
     def evaluate(
         self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
     ) -> list[EvalCounts]:
-        chosen = (
-            self.sequential if (self.choice or "").startswith("sequential") else self.vectorized
-        )
-        return chosen.evaluate(models, datas, batch_size)
+        return self._chosen().evaluate(models, datas, batch_size)
 
-    def _candidates(self) -> list[tuple[str, int]]:
-        """One thread and all cores for each in-process executor (small per-client operations
-        do not speed up with more threads and collapse when the cores are shared; a CNN's
-        convolutions do), and one 1-thread worker process per core."""
-        cores = os.cpu_count() or 1
-        threads = sorted({self.config.threads or 1, self.config.threads or cores})
+    def deployed_models(
+        self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
+    ) -> list[tuple[Tree, Tree]]:
+        kind, threads = (self.choice or "sequential/threads=1").split("/threads=")
+        with torch_threads(int(threads)):
+            return self._executor(kind).deployed_models(algorithm, server, states, tasks)
+
+    def _candidates(self, shape: Shape) -> list[tuple[str, int]]:
+        """One thread and every core for the vectorized executor; one thread for the
+        sequential one, and every core where a step is large enough to gain from them
+        (engine/threads.py, SMALL_STEP_MACS); one 1-thread worker process per core.
+        ``executor.threads`` pins the in-process candidates' count."""
+        pinned = self.config.threads
+        threads = sorted({pinned or 1, pinned or self.cores})
         candidates = []
-        if self.vectorized is not None:
-            candidates = [("vectorized", t) for t in threads]
         if self.config.device != "cuda":
-            candidates = [("sequential", t) for t in threads] + candidates
+            big = shape.batch * shape.macs >= SMALL_STEP_MACS
+            candidates = [("sequential", t) for t in threads if t == threads[0] or big]
+        if self.vectorized is not None:
+            candidates += [("vectorized", t) for t in threads]
         if self.processes is not None:
             candidates.append((f"processes={self.processes.workers}", 1))
         return candidates
 
-    def _probe(
-        self,
-        algorithm: Algorithm,
-        message: Message,
-        tasks: list[ClientTask],
-        states: list[State | None],
-    ) -> str:
-        """Estimated seconds per client of each candidate on this round's clients.
-
-        Each candidate runs the first clients with plans cut to 1 and to PROBE_STEPS steps;
-        the line through the two timings, a + b * steps, separates what a client costs once
-        (worker processes ship a CNN's 6.6 MB result back per client, vmap stacks a chunk)
-        from what each step costs, and is evaluated at the round's mean number of steps.
-        Timing short plans per step alone misjudged candidates with large per-client costs
-        (FedAvg CNN: it ranked worker processes behind one 2-thread process, the wrong way
-        round). One-at-a-time candidates run PROBE_CLIENTS clients; the vectorized one runs as
-        many as its chunk will hold (up to PROBE_VECTOR_SECONDS of probing), since a chunk of 8
-        says little about a chunk of 1,000 (W3: 8 clients made the sequential executor look
-        faster than the vectorized one, which wins at the round's 1,000). Numbers in
-        benchmarks/README.md, Design measurements."""
+    def shape(self, algorithm: Algorithm, message: Message, tasks: list[ClientTask]) -> Shape:
+        """The round's :class:`Shape`, from its work orders (deterministic: the plans come
+        from the run's seed)."""
+        module = self.model.module
         plans = [algorithm.client_plan(t) for t in tasks]
-        steps = sum(len(p) for p in plans) / len(plans)
+        sizes = [b.shape[0] for p in plans for b in p]
+        if self._macs is None:
+            self._macs = max(1, macs_per_sample(module, tasks[0].data.x_train[0]))
+        program = algorithm.client_program()
+        return Shape(
+            clients=len(tasks),
+            steps=sum(len(p) for p in plans) / len(plans),
+            updates=max(1.0, program.passes_per_step()),
+            batch=sum(sizes) / max(1, len(sizes)),
+            params=sum(p.numel() for p in module.parameters() if p.requires_grad),
+            macs=self._macs,
+            conv=any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules()),
+            stacked=all(u.stacked is not None for u in program.updates),
+            # fully on the fused trainer (Ditto's personal steps are not)
+            lean=type(program).run_lean is not ClientProgram.run_lean
+            and len(program.updates) == 1,
+        )
 
-        def probe(n: int) -> tuple[list[ClientTask], list[ClientTask]]:
-            """The first n clients with plans cut to 1 and to PROBE_STEPS steps."""
-            head = list(zip(tasks[:n], plans, strict=False))
-            return (
-                [replace(t, plan=p[:1]) for t, p in head],
-                [replace(t, plan=p[:PROBE_STEPS]) for t, p in head],
-            )
-
-        small = probe(PROBE_CLIENTS)
-        max_batch = max((b.shape[0] for p in plans for b in p), default=1)
-        for kind, threads in self._candidates():
-            # timed under the thread count (and the process's OpenMP wait policy) that the
-            # run will use if it wins, so a busy neighbour shows in the timings
-            with torch_threads(threads):
-                executor = self._executor(kind)
-
-                def timed(work: list[ClientTask], executor: Any = executor) -> float:
-                    start = time.perf_counter()
-                    # results are discarded: executors never write client states themselves
-                    executor.run_round(algorithm, message, work, states[: len(work)])
-                    return (time.perf_counter() - start) / len(work)
-
-                first = timed(small[0])  # warm-up: first calls, worker start
-                short, long = small
-                if kind == "vectorized":
-                    n = min(len(tasks), executor.chunk_size(tasks, max_batch))
-                    affordable = PROBE_VECTOR_SECONDS / max(first * (1 + PROBE_STEPS), 1e-9)
-                    n = min(n, max(len(short), int(affordable)))
-                    if n > len(short):
-                        short, long = probe(n)
-                        timed(short)  # warm-up at the chunk's size
-                t_short, t_long = timed(short), timed(long)
-                spent, repeats = t_short + t_long, 1
-                while repeats < PROBE_MAX_REPEATS and spent * len(short) < PROBE_SECONDS:
-                    # the fastest of a few: noise on a shared machine only adds time
-                    a, b = timed(short), timed(long)
-                    t_short, t_long = min(t_short, a), min(t_long, b)
-                    spent, repeats = spent + a + b, repeats + 1
-                k_long = sum(len(t.plan) for t in long) / len(long)
-                if k_long > 1:
-                    per_step = max(0.0, (t_long - t_short) / (k_long - 1))
-                    once = max(0.0, t_short - per_step)
-                else:  # one-step plans (FedSGD): nothing to separate, the round is one step
-                    per_step, once = 0.0, min(t_short, t_long)
-                self.timings[f"{kind}/threads={threads}"] = once + per_step * steps
-        return min(self.timings, key=self.timings.__getitem__)
+    def choose(self, algorithm: Algorithm, message: Message, tasks: list[ClientTask]) -> str:
+        """The candidate of least estimated cost for this round's shape."""
+        shape = self.shape(algorithm, message, tasks)
+        chunk = shape.clients
+        if self.vectorized is not None:
+            widest = max((b.shape[0] for t in tasks for b in algorithm.client_plan(t)), default=1)
+            chunk = min(shape.clients, self.vectorized.chunk_size(tasks, widest))
+        self.estimates = {
+            f"{kind}/threads={threads}": estimate(kind, threads, shape, chunk)
+            for kind, threads in self._candidates(shape)
+        }
+        return min(self.estimates, key=self.estimates.__getitem__)
 
     def run_round(
         self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
@@ -182,9 +283,10 @@ class AutoExecutor:
         if not tasks:
             return []
         if self.choice is None:
-            self.choice = self._probe(algorithm, message, tasks, states)
-            if self.processes is not None and not self.choice.startswith("processes"):
-                self.processes.close()  # not chosen: release the worker processes
+            self.choice = self.choose(algorithm, message, tasks)
+        if self.processes is not None and not self.choice.startswith("processes"):
+            self.processes.close()  # not chosen: no worker processes are ever started
+            self.processes = None
         kind, threads = self.choice.split("/threads=")
         with torch_threads(int(threads)):
             return self._executor(kind).run_round(algorithm, message, tasks, states)

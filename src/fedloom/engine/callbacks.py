@@ -16,6 +16,7 @@ from fedloom.core import pytree
 from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.core.rng import generator, seed_for
 from fedloom.engine.cold_start import adaptation_curve
+from fedloom.engine.evaluation import evaluate_pooled
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.engine.monitoring import (
     HETEROGENEITY_FILE,
@@ -77,10 +78,7 @@ class Evaluation(Callback):
         global_model = algorithm.global_model(server)
         global_counts: list[EvalCounts] = []
         if global_model is not None:
-            global_counts = [
-                EvalCounts(*engine.model.evaluate(*global_model, c.x_test, c.y_test, batch))
-                for c in data.clients
-            ]
+            global_counts = evaluate_pooled(engine.model, *global_model, data.clients, batch)
             row["global"] = pooled(global_counts, classification)
         self.global_counts = global_counts
         deployed: dict[int, pytree.Tree] = {}
@@ -89,12 +87,14 @@ class Evaluation(Callback):
                 continue
             counts: list[EvalCounts | None] = []
             pending: list[tuple[int, tuple[pytree.Tree, pytree.Tree]]] = []
-            for cid in ids:
-                client = state.clients.get(cid) if cid in state.clients else None
-                if client is None:
-                    client = algorithm.init_client_state(server, cid)
-                task = ClientTask(cid, data.clients[cid], [], engine.config.train.lr, round)
-                params, buffers = algorithm.deployed_model(server, client, task)
+            known = [state.clients.get(c) if c in state.clients else None for c in ids]
+            states = [
+                s if s is not None else algorithm.init_client_state(server, c)
+                for c, s in zip(ids, known, strict=True)
+            ]
+            tasks = [ClientTask(c, data.clients[c], [], engine.config.train.lr, round) for c in ids]
+            models = engine.executor.deployed_models(algorithm, server, states, tasks)
+            for cid, (params, buffers) in zip(ids, models, strict=True):
                 deployed[cid] = {**params, **buffers}
                 if global_model is not None and params is global_model[0]:
                     counts.append(global_counts[cid])  # deploys the global model: evaluated
@@ -129,10 +129,9 @@ class Evaluation(Callback):
         out: dict[str, Any] = {"global": None}
         ids = [c for c in engine.train_ids if engine.validation[c].num_test]
         if global_model is not None:
-            counts = [
-                EvalCounts(*engine.model.evaluate(*global_model, v.x_test, v.y_test, batch))
-                for v in (engine.validation[c] for c in ids)
-            ]
+            counts = evaluate_pooled(
+                engine.model, *global_model, [engine.validation[c] for c in ids], batch
+            )
             out["global"] = pooled(counts, classification)
         keys = set(engine.model.param_keys)
         models = [
@@ -400,4 +399,5 @@ class ColdStart(Callback):
             cfg.train.rounds,
             cfg.eval.batch_size,
             engine.data.task == "classification",
+            batched=engine.executor.batches_clients,
         )

@@ -23,8 +23,10 @@ from typing import Any
 from fedloom.algorithms.base import Algorithm
 from fedloom.core.protocol import ClientData, ClientTask, State
 from fedloom.core.pytree import Tree
+from fedloom.engine.evaluation import evaluate_stacked
 from fedloom.engine.metrics import EvalCounts, client_quantiles
 from fedloom.solvers.objective_sgd import objective_sgd
+from fedloom.solvers.stacked_sgd import finetune_stacked
 
 
 def adaptation_curve(
@@ -36,8 +38,78 @@ def adaptation_curve(
     round: int,
     eval_batch_size: int,
     classification: bool,
+    batched: bool = False,
 ) -> dict[str, Any]:
-    """summary.json's ``cold_start`` for the held-out ``clients`` (see the module doc)."""
+    """summary.json's ``cold_start`` for the held-out ``clients`` (see the module doc);
+    ``batched``: every client's fine-tuning at once on the stacked model, where it can run so
+    (core/stacked.py)."""
+    if batched and algorithm.ctx.model.stacked() is not None:
+        per_step = _stacked_counts(algorithm, server, clients, steps, lr, round, eval_batch_size)
+    else:
+        per_step = _counts_one_at_a_time(
+            algorithm, server, clients, steps, lr, round, eval_batch_size
+        )
+    curve: dict[str, Any] = {"clients": len(clients), "lr": lr, "steps": list(steps)}
+    quantiles = [client_quantiles(per_step[s], classification) for s in steps]
+    for key in quantiles[0]:
+        curve[key] = [q[key] for q in quantiles]
+    return curve
+
+
+def _stacked_counts(
+    algorithm: Algorithm,
+    server: State,
+    clients: dict[int, ClientData],
+    steps: list[int],
+    lr: float,
+    round: int,
+    eval_batch_size: int,
+) -> dict[int, list[EvalCounts]]:
+    """Each step's counts of every client, all clients fine-tuned together (the same steps as
+    :func:`_counts_one_at_a_time`)."""
+    model, ctx = algorithm.ctx.model, algorithm.ctx
+    datas = list(clients.values())
+    tasks = [ClientTask(cid, data, [], lr, round) for cid, data in clients.items()]
+    starts = [algorithm.new_client_model(server, t) for t in tasks]
+    plans = [ctx.make_plan(t.data, steps[-1], "adapt", round, t.client_id) for t in tasks]
+    seen: dict[int, list[EvalCounts | None]] = {}
+
+    def record(done: int, part: range, params: Tree) -> None:
+        if done == 0 or done in steps:
+            models = [
+                ({k: v[j] for k, v in params.items()}, starts[i][1]) for j, i in enumerate(part)
+            ]
+            counts = evaluate_stacked(
+                model, models, [datas[i] for i in part], eval_batch_size, len(part)
+            )
+            row = seen.setdefault(done, [None] * len(datas))
+            for j, i in enumerate(part):
+                row[i] = counts[j]
+
+    finetune_stacked(
+        model, starts, datas, plans, lr, trainable=algorithm.adaptation_keys(), on_step=record
+    )
+    # a client past the end of its plan (no training data) keeps its last model
+    out: dict[int, list[EvalCounts]] = {}
+    last = list(seen[0])
+    for s in sorted({0, *steps}):
+        row = seen.get(s, [None] * len(datas))
+        last = [r if r is not None else prev for r, prev in zip(row, last, strict=True)]
+        if s in steps:
+            out[s] = [c for c in last if c is not None]
+    return out
+
+
+def _counts_one_at_a_time(
+    algorithm: Algorithm,
+    server: State,
+    clients: dict[int, ClientData],
+    steps: list[int],
+    lr: float,
+    round: int,
+    eval_batch_size: int,
+) -> dict[int, list[EvalCounts]]:
+    """Each step's counts of every client, one client after another on the lean trainer."""
     model = algorithm.ctx.model
     per_step: dict[int, list[EvalCounts]] = {s: [] for s in steps}
     for cid, data in clients.items():
@@ -69,8 +141,4 @@ def adaptation_curve(
                     record(done, lean.params(), lean.buffers_copy()) if done in per_step else None
                 ),
             )
-    curve: dict[str, Any] = {"clients": len(clients), "lr": lr, "steps": list(steps)}
-    quantiles = [client_quantiles(per_step[s], classification) for s in steps]
-    for key in quantiles[0]:
-        curve[key] = [q[key] for q in quantiles]
-    return curve
+    return per_step

@@ -3,12 +3,15 @@ C at a time under ``vmap`` (the personalized evaluation PFL runs do every few ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.func import vmap
 
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
+from fedloom.core.stacked import StackedModel
 from fedloom.engine.metrics import EvalCounts
 
 Model = tuple[Tree, Tree]
@@ -20,6 +23,39 @@ def evaluate_each(
     return [
         EvalCounts(*model.evaluate(p, b, d.x_test, d.y_test, batch_size))
         for (p, b), d in zip(models, datas, strict=True)
+    ]
+
+
+def evaluate_pooled(
+    model: FunctionalModel, params: Tree, buffers: Tree, datas: list[ClientData], batch_size: int
+) -> list[EvalCounts]:
+    """One model (the global one) on every client's held-out data: the test sets run as one
+    pooled sequence of batches of ``batch_size`` samples (not one client at a time: thousands
+    of small clients are thousands of forward calls), and the per-sample losses and hits are
+    summed back per client. The same counts as :func:`evaluate_each` with one model."""
+    sizes = [d.num_test for d in datas]
+    if not sum(sizes):
+        return [EvalCounts(0.0, 0.0, 0) for _ in datas]
+    classification = model.task == "classification"
+    x = torch.cat([d.x_test for d in datas])
+    y = torch.cat([d.y_test for d in datas])
+    owner = torch.repeat_interleave(torch.arange(len(datas)), torch.tensor(sizes))
+    loss = torch.zeros(len(datas), dtype=torch.float64)
+    correct = torch.zeros(len(datas), dtype=torch.float64)
+    model.module.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, x.shape[0], batch_size):
+                rows = slice(start, start + batch_size)
+                out = model.forward(params, buffers, x[rows])
+                loss.index_add_(0, owner[rows], model.per_sample_loss(out, y[rows]).double())
+                if classification:
+                    hits = (out.argmax(-1) == y[rows]).double()
+                    correct.index_add_(0, owner[rows], hits)
+    finally:
+        model.module.train()
+    return [
+        EvalCounts(float(loss[i]), float(correct[i]), n) for i, n in enumerate(sizes)
     ]
 
 
@@ -44,7 +80,8 @@ def evaluate_stacked(
         correct = ((out.argmax(-1) == y).to(w.dtype) * w).sum() if classification else loss * 0
         return loss, correct
 
-    batched = vmap(one)
+    stacked = model.stacked()
+    batched = vmap(one) if stacked is None else _stacked_counts(model, stacked, classification)
     counts: list[EvalCounts] = []
     model.module.eval()
     try:
@@ -91,3 +128,22 @@ def _padded_slice(
             yb[row, :n] = d.y_test[start : start + n]
             wb[row, :n] = 1.0
     return xb, yb, wb
+
+
+def _stacked_counts(
+    model: FunctionalModel, stacked: StackedModel, classification: bool
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The vmapped ``one`` of :func:`evaluate_stacked` on the stacked model (no ``vmap``)."""
+
+    def counts(
+        params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = stacked.forward(params, x)
+        flat_y = y.reshape(-1, *y.shape[2:])
+        loss = (model.per_sample_loss(out, flat_y).view(w.shape) * w).sum(1)
+        if not classification:
+            return loss, loss * 0
+        hits = (out.argmax(-1) == flat_y).view(w.shape).to(w.dtype)
+        return loss, (hits * w).sum(1)
+
+    return counts

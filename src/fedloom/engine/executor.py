@@ -24,6 +24,9 @@ class Executor(Protocol):
     """
 
     name: str
+    batches_clients: bool
+    """Whether clients run stacked (the vectorized backend): per-client fine-tuning outside
+    the round (the cold-start curve) then runs stacked too."""
 
     def prepare(self, clients: dict[int, ClientData]) -> None: ...
 
@@ -37,4 +40,11 @@ class Executor(Protocol):
         self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
     ) -> list[EvalCounts]:
         """Each (params, buffers) model on its client's held-out data."""
+        ...
+
+    def deployed_models(
+        self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
+    ) -> list[tuple[Tree, Tree]]:
+        """Every client's deployed model (Algorithm.deployed_models), where this executor
+        runs clients: fine-tuning deployments (FedAvg-FT) train there too."""
         ...

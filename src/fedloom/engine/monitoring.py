@@ -26,7 +26,6 @@ Once per run, from the partition (heterogeneity of the data itself):
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
+from fedloom.engine.threads import torch_threads
 
 FEATURE_BINS = 32
 HETEROGENEITY_FILE = "heterogeneity.json"
@@ -71,12 +71,7 @@ def update_statistics(deltas: dict[int, Tree], max_clients: int) -> dict[str, An
     ids = list(flat)[:max_clients]
     cosine: list[list[float | None]] = []
     if ids:
-        stacked = torch.stack([flat[c] for c in ids])
-        lengths = stacked.norm(dim=1)
-        gram = stacked @ stacked.T
-        denom = lengths[:, None] * lengths[None, :]
-        matrix = torch.where(denom > 0, gram / denom.clamp_min(1e-300), torch.nan)
-        cosine = [[None if math.isnan(x) else float(x) for x in row] for row in matrix.tolist()]
+        cosine = cosine_matrix([flat[c] for c in ids])
     return {
         "update_norm": quantiles(list(norms.values())),
         "client_update_norm": {str(c): n for c, n in norms.items()},
@@ -84,22 +79,64 @@ def update_statistics(deltas: dict[int, Tree], max_clients: int) -> dict[str, An
     }
 
 
+def cosine_matrix(vectors: list[torch.Tensor]) -> list[list[float | None]]:
+    """Pairwise cosine similarities (None where a vector is zero), in float64 with torch's
+    own reductions on one thread: the same bits whatever executor and thread count the run
+    uses (a BLAS product's summation order depends on both, and on memory alignment)."""
+    with torch_threads(1):
+        rows = [v.double() for v in vectors]
+        lengths = [float(torch.linalg.vector_norm(v)) for v in rows]
+        out: list[list[float | None]] = [[None] * len(rows) for _ in rows]
+        for i, a in enumerate(rows):
+            for j in range(i, len(rows)):
+                denom = lengths[i] * lengths[j]
+                value = float((a * rows[j]).sum()) / denom if denom > 0 else None
+                out[i][j] = out[j][i] = value
+    return out
+
+
 def gradient_dissimilarity(
     model: FunctionalModel, params: Tree, buffers: Tree, clients: dict[int, ClientData]
 ) -> float | None:
     """zeta^2 = 1/K sum_k ||g_k - g||^2 with g = sum_k n_k/n g_k (the module doc)."""
-    grads, sizes = [], []
-    for data in clients.values():
-        if data.num_train == 0:
-            continue
-        grads.append(flatten(model.full_gradient(params, buffers, data.x_train, data.y_train)))
-        sizes.append(data.num_train)
-    if not grads:
+    datas = [d for d in clients.values() if d.num_train > 0]
+    if not datas:
         return None
-    g = torch.stack(grads)
+    sizes = [d.num_train for d in datas]
+    if model.stacked() is not None and not buffers:
+        g = stacked_full_gradients(model, params, datas)
+    else:
+        g = torch.stack(
+            [flatten(model.full_gradient(params, buffers, d.x_train, d.y_train)) for d in datas]
+        )
     w = torch.tensor(sizes, dtype=torch.float64)
     mean = (w[:, None] * g).sum(0) / w.sum()
     return float(((g - mean) ** 2).sum(1).mean())
+
+
+def stacked_full_gradients(
+    model: FunctionalModel, params: Tree, datas: list[ClientData], chunk: int = 16
+) -> torch.Tensor:
+    """Each client's full-data gradient of its mean loss at ``params``, flattened (one row
+    per client): ``chunk`` clients at once on the stacked model (core/stacked.py), each
+    client's training set one minibatch padded with weight 0."""
+    stacked = model.stacked()
+    assert stacked is not None
+    rows = []
+    for lo in range(0, len(datas), chunk):
+        part = datas[lo : lo + chunk]
+        width = max(d.num_train for d in part)
+        ref = part[0]
+        x = ref.x_train.new_zeros((len(part), width, *ref.x_train.shape[1:]))
+        y = ref.y_train.new_zeros((len(part), width, *ref.y_train.shape[1:]))
+        w = torch.zeros(len(part), width)
+        for i, d in enumerate(part):
+            x[i, : d.num_train], y[i, : d.num_train], w[i, : d.num_train] = d.x_train, d.y_train, 1
+        expanded = {k: v.unsqueeze(0).expand(len(part), *v.shape) for k, v in params.items()}
+        grads, _ = stacked.value_and_grad(expanded, x, y, w, model.per_sample_loss)
+        flat = [grads.materialize(k).reshape(len(part), -1).double() for k in sorted(params)]
+        rows.append(torch.cat(flat, 1))
+    return torch.cat(rows)
 
 
 def label_kl(clients: dict[int, ClientData], num_classes: int) -> dict[str, float]:
@@ -120,35 +157,37 @@ def label_kl(clients: dict[int, ClientData], num_classes: int) -> dict[str, floa
     return out
 
 
-def _js_bits(p: torch.Tensor, q: torch.Tensor) -> float:
+def _js_bits(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """JS divergence (bits) of each row of ``p`` to the distribution ``q``."""
     m = (p + q) / 2
 
     def kl(a: torch.Tensor) -> torch.Tensor:
-        mask = a > 0
-        return (a[mask] * (a[mask] / m[mask]).log2()).sum()
+        return torch.where(a > 0, a * (a / m).log2(), 0.0).sum(-1)
 
-    return float((kl(p) + kl(q)) / 2)
+    return (kl(p) + kl(q.expand_as(p))) / 2
 
 
 def feature_js(clients: dict[int, ClientData]) -> dict[str, float]:
-    """JS divergence (bits) of each client's input-value histogram to the pooled one."""
+    """JS divergence (bits) of each client's input-value histogram to the pooled one. The
+    histograms are one table and the divergences one batched computation: once per run, but
+    100,000 clients one at a time took 10 s (docs/population.md)."""
     xs = {c: d.x_train for c, d in clients.items() if d.num_train > 0}
     if not xs:
         return {}
     if all(x.is_floating_point() for x in xs.values()):
-        lo = min(float(x.min()) for x in xs.values())
-        hi = max(float(x.max()) for x in xs.values())
+        lo = float(torch.stack([x.min() for x in xs.values()]).min())
+        hi = float(torch.stack([x.max() for x in xs.values()]).max())
         hi = hi if hi > lo else lo + 1.0
 
         def hist(x: torch.Tensor) -> torch.Tensor:
             return torch.histc(x.double().reshape(-1), FEATURE_BINS, lo, hi)
     else:
-        size = max(int(x.max()) for x in xs.values()) + 1
+        size = int(torch.stack([x.max() for x in xs.values()]).max()) + 1
 
         def hist(x: torch.Tensor) -> torch.Tensor:
             return torch.bincount(x.long().reshape(-1), minlength=size).double()
 
-    hists = {c: hist(x) for c, x in xs.items()}
-    total = sum(hists.values())
-    pooled = total / total.sum()
-    return {str(c): _js_bits(h / h.sum(), pooled) for c, h in hists.items()}
+    hists = torch.stack([hist(x) for x in xs.values()])
+    total = hists.sum(0)  # counts: exact in float64 in any order
+    js = _js_bits(hists / hists.sum(1, keepdim=True), total / total.sum())
+    return dict(zip(map(str, xs), js.tolist(), strict=True))

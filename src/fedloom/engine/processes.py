@@ -11,8 +11,13 @@ per-client operations do not parallelize inside one process.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import os
+import signal
+import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -23,9 +28,35 @@ from fedloom.engine.executor import States
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.scheduling import balanced_groups
 from fedloom.engine.threads import set_worker_threads
+from fedloom.engine.transport import Packed, pack
 
 _WORKER: dict[str, Any] = {}
 """Set in the parent just before the fork: the clients' data and the inner executor."""
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal a process gets when its parent dies (Linux)."""
+
+
+def _init_worker(threads: int, parent: int) -> None:
+    """A forked worker's setup: its threads, and its end with the run's process. A worker
+    waits for work on a pipe whose writing end it inherited, so a run killed outright
+    (``kill -9``, out of memory) would otherwise leave it blocked there for good."""
+    set_worker_threads(threads)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the run died before prctl took effect
+        os._exit(1)
+
+
+KEPT = "algorithm"
+"""The name under which the workers keep the algorithm they were forked with."""
+
+
+def _call(work: Packed) -> Packed:
+    """In a worker: the packed call ``fn(*args)``, its result packed (engine/transport.py)."""
+    fn, args = work.unpack(_WORKER["kept"])
+    return pack(fn(*args))
 
 
 def _run_group(
@@ -39,6 +70,14 @@ def _run_group(
     return _WORKER["inner"].run_round(algorithm, message, tasks, states)
 
 
+def _deploy_group(
+    algorithm: Algorithm, server: State, states: list[State | None], orders: list[ClientTask]
+) -> list[tuple[Tree, Tree]]:
+    clients: dict[int, ClientData] = _WORKER["clients"]
+    tasks = [replace(task, data=clients[task.client_id]) for task in orders]
+    return _WORKER["inner"].deployed_models(algorithm, server, states, tasks)
+
+
 class MultiprocessExecutor:
     """Runs an inner executor (sequential or vectorized) in forked worker processes."""
 
@@ -47,41 +86,63 @@ class MultiprocessExecutor:
         self.workers = workers
         self.threads = threads
         self.name = inner.name
+        self.batches_clients: bool = inner.batches_clients
         self._pool: ProcessPoolExecutor | None = None
         self._clients: dict[int, ClientData] = {}
+        self._algorithm: Algorithm | None = None
+        self._kept: dict[int, str] = {}
 
     def prepare(self, clients: dict[int, ClientData]) -> None:
         """Remember the clients by id; the workers are forked at the first round."""
         self.inner.prepare(clients)
         self._clients = dict(clients)
 
-    def _start(self) -> ProcessPoolExecutor:
+    def _start(self, algorithm: Algorithm) -> ProcessPoolExecutor:
+        """The worker processes, forked at the first call with ``algorithm``, which they keep
+        (as Ray's workers keep theirs, engine/ray_executor.py: an algorithm's state lives in
+        the server's and the clients' states, not in itself). Packing it for every call
+        would visit its tables of one entry per client (the clients' sample counts), each
+        entry a call of the packer: 0.3 s a round with 100,000 clients (docs/population.md)."""
         if self._pool is None:
-            _WORKER.update(clients=self._clients, inner=self.inner)
+            self._kept = {id(algorithm): KEPT}
+            self._algorithm = algorithm  # alive, so that its id() stays its own
+            _WORKER.update(clients=self._clients, inner=self.inner, kept={KEPT: algorithm})
             self._pool = ProcessPoolExecutor(
                 self.workers,
                 mp_context=multiprocessing.get_context("fork"),
-                initializer=set_worker_threads,
-                initargs=(self.threads,),
+                initializer=_init_worker,
+                initargs=(self.threads, os.getpid()),
             )
         return self._pool
+
+    def _submit(self, fn: Callable[..., Any], algorithm: Algorithm, *args: Any) -> Future[Packed]:
+        """``fn(algorithm, *args)`` in a worker. Call and result travel packed
+        (engine/transport.py): the clients' states are rows of the state store's tables
+        (memory-mapped files with ``state.storage: mmap``), which torch's own pickling cannot
+        hand to another process; the algorithm the workers were forked with travels as its
+        name."""
+        pool = self._start(algorithm)
+        return pool.submit(_call, pack((fn, (algorithm, *args)), self._kept))
+
+    def _forked_with(self, tasks: list[ClientTask]) -> bool:
+        """Whether every task's data is what the workers were (or will be) forked with."""
+        return all(self._clients.get(t.client_id) is t.data for t in tasks)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
         _WORKER.clear()
+        self._algorithm, self._kept = None, {}
 
     def run_round(
         self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]:
-        if any(self._clients.get(t.client_id) is not t.data for t in tasks):
-            # data the workers were not forked with: run here
+        if not self._forked_with(tasks):  # data the workers do not hold: run here
             return self.inner.run_round(algorithm, message, tasks, states)
-        pool = self._start()
         groups = balanced_groups([len(algorithm.client_plan(t)) for t in tasks], self.workers)
         futures = [
-            pool.submit(
+            self._submit(
                 _run_group,
                 algorithm,
                 message,
@@ -90,7 +151,27 @@ class MultiprocessExecutor:
             )
             for group in groups
         ]
-        return [r for f in futures for r in f.result()]
+        return [r for f in futures for r in f.result().unpack()]
+
+    def deployed_models(
+        self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
+    ) -> list[tuple[Tree, Tree]]:
+        """Deployments that train (fine-tuning) in the workers, split evenly; the others here
+        (reading a client's stored model costs less than shipping it)."""
+        if not algorithm.deployment_trains() or not self._forked_with(tasks):
+            return self.inner.deployed_models(algorithm, server, states, tasks)
+        groups = balanced_groups([1] * len(tasks), self.workers)
+        futures = [
+            self._submit(
+                _deploy_group,
+                algorithm,
+                server,
+                [states[i] for i in group],
+                [replace(tasks[i], data=None) for i in group],
+            )
+            for group in groups
+        ]
+        return [m for f in futures for m in f.result().unpack()]
 
     def evaluate(
         self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int

@@ -163,6 +163,7 @@ class RayExecutor:
     """Runs each round's clients on ``executor.workers`` Ray actors (one CPU each)."""
 
     name = "ray"
+    batches_clients = False
 
     def __init__(self, model: FunctionalModel, config: ExecutorConfig) -> None:
         # parse_config checked that Ray is installed and that the device is the CPU
@@ -275,6 +276,12 @@ class RayExecutor:
         executor does): the deployed models live here, and a forward pass is cheap next to
         the local training the workers do."""
         return evaluate_each(self.model, models, datas, batch_size)
+
+    def deployed_models(
+        self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
+    ) -> list[tuple[Tree, Tree]]:
+        """On the driver, as ``evaluate``."""
+        return algorithm.deployed_models(server, states, tasks)
 
     # -- the round ------------------------------------------------------------------------
     def run_round(

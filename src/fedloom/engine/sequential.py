@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fedloom.algorithms.base import Algorithm
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
 from fedloom.engine.executor import States
@@ -16,6 +16,7 @@ class SequentialExecutor:
     """The reference: one client after another in this process."""
 
     name = "sequential"
+    batches_clients = False
 
     def __init__(self, model: FunctionalModel | None = None) -> None:
         self.model = model
@@ -35,6 +36,11 @@ class SequentialExecutor:
 
     def close(self) -> None:
         pass
+
+    def deployed_models(
+        self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
+    ) -> list[tuple[Tree, Tree]]:
+        return algorithm.deployed_models(server, states, tasks)
 
     def run_round(
         self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States

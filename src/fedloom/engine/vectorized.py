@@ -14,7 +14,7 @@ from torch import nn
 from fedloom.algorithms.base import Algorithm
 from fedloom.config import parse_bytes
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_stacked
 from fedloom.engine.executor import States
@@ -32,6 +32,7 @@ from fedloom.solvers.vmap import Arena, ChunkRunner, plan_steps, to_device
 
 class VectorizedExecutor:
     name = "vectorized"
+    batches_clients = True
 
     def __init__(
         self,
@@ -70,6 +71,12 @@ class VectorizedExecutor:
 
     def close(self) -> None:
         pass
+
+    def deployed_models(
+        self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
+    ) -> list[tuple[Tree, Tree]]:
+        """Deployment fine-tuning stacked, every client at once."""
+        return algorithm.deployed_models(server, states, tasks, batched=True)
 
     def evaluate(
         self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int

@@ -27,7 +27,7 @@ from fedloom.api import run as run_fedloom
 from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData, ClientResult, ClientTask
+from fedloom.core.protocol import ClientData, ClientResult, ClientTask, State
 from fedloom.core.protocol import Message as FedMessage
 from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
@@ -102,6 +102,7 @@ class FlowerExecutor:
     on the server, as the engine's (the server loads the clients' held-out data too)."""
 
     name = "flower"
+    batches_clients = False
 
     def __init__(
         self,
@@ -178,6 +179,12 @@ class FlowerExecutor:
     ) -> list[EvalCounts]:
         assert self.model is not None
         return evaluate_each(self.model, models, datas, batch_size)
+
+    def deployed_models(
+        self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
+    ) -> list[tuple[Tree, Tree]]:
+        """On the server, as ``evaluate``."""
+        return algorithm.deployed_models(server, states, tasks)
 
 
 @dataclass

@@ -16,11 +16,15 @@ class FedModel(nn.Module):
 
     ``head_modules`` are submodule names whose parameters form the head; every other parameter
     is the body. ``norm_modules`` are the normalization layers (their parameters and running
-    statistics), kept local by FedBN.
+    statistics), kept local by FedBN. ``samplewise`` says the forward pass never mixes samples.
     """
 
     head_modules: ClassVar[tuple[str, ...]] = ()
     norm_modules: ClassVar[tuple[str, ...]] = ()
+    samplewise: ClassVar[bool] = False
+    """Whether ``forward`` treats every sample of a batch alone (no batch statistics, no
+    operation across samples): such a model of linear and convolution layers runs many
+    clients' steps stacked, without ``vmap`` (core/stacked.py)."""
 
     def _keys_under(self, prefixes: tuple[str, ...]) -> list[str]:
         names = [n for n, _ in self.named_parameters()] + [n for n, _ in self.named_buffers()]

@@ -12,6 +12,7 @@ from fedloom.models.base import FedModel
 
 class CNN(FedModel):
     head_modules = ("fc2",)
+    samplewise = True
 
     def __init__(
         self, input_shape: tuple[int, ...], num_outputs: int, batch_norm: bool = False
@@ -37,6 +38,7 @@ class CNN(FedModel):
 
 class CNNBatchNorm(CNN):
     norm_modules = ("bn1", "bn2")
+    samplewise = False  # batch normalization mixes the samples of a batch in training
 
     def __init__(self, input_shape: tuple[int, ...], num_outputs: int) -> None:
         super().__init__(input_shape, num_outputs, batch_norm=True)

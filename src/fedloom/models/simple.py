@@ -15,6 +15,7 @@ class LogisticRegression(FedModel):
     linear least squares for regression targets."""
 
     head_modules = ("linear",)
+    samplewise = True
 
     def __init__(self, input_shape: tuple[int, ...], num_outputs: int) -> None:
         super().__init__()
@@ -28,6 +29,7 @@ class MLP(FedModel):
     """The 2NN of the FedAvg paper: two hidden layers of 200 ReLU units."""
 
     head_modules = ("fc3",)
+    samplewise = True
 
     def __init__(self, input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> None:
         super().__init__()

@@ -117,6 +117,11 @@ steps the update ran."""
 Draw = Callable[[torch.Generator], dict[str, torch.Tensor]]
 """(generator) -> tensors of fixed shapes: one step's random inputs of an update."""
 
+StackedFn = Callable[[Carry, tuple[Batch, ...], dict[str, Any]], tuple[Carry, dict]]
+"""(carry, batches, shared) -> (carry, metrics) for C clients at once: every carry tensor and
+minibatch stacked along a leading client dimension, every client taking the step; the carry's
+tensors may be updated in place. Metrics are (C,) tensors."""
+
 
 @dataclass(frozen=True)
 class Update:
@@ -127,6 +132,10 @@ class Update:
     plans: tuple[str, ...]
     fn: UpdateFn
     draw: Draw | None = None
+    stacked: StackedFn | None = None
+    """The same update for a whole chunk at once without ``vmap`` (core/stacked.py), which
+    the vmap backend runs instead of vmapping ``fn`` when every client of the call takes the
+    step; None: ``fn`` is vmapped."""
 
     @property
     def draw_purpose(self) -> str:
@@ -211,6 +220,12 @@ class ClientProgram:
     ) -> ClientResult:
         """The client's result (upload, weight, new state) from its final carry."""
         raise NotImplementedError
+
+    def passes_per_step(self) -> float:
+        """Forward-and-backward passes of one local step, relative to one minibatch gradient
+        (default: one per update; pFedMe's K inner steps, Per-FedAvg's second gradient):
+        the work auto's cost model (engine/auto.py) counts per step."""
+        return float(len(self.updates))
 
     def step_bytes(self, width: int) -> int:
         """Working memory of one client's step beyond the usual gradients and activations

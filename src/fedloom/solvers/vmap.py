@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 SEQUENTIAL_TAIL = 4
 """When at most this many clients of a chunk still have steps left, they finish one at a time
 on the sequential backend: a vmapped step over 1-4 clients costs more in dispatch than it saves
-(benchmarks/README.md, Design measurements)."""
+(benchmarks/README.md, Design measurements). Not for stacked updates (core/stacked.py), whose
+step over a few clients costs about what one client's does."""
 
 NO_BATCH = torch.empty(0, dtype=torch.long)
 """The minibatch of a step before a plan's start (no sample: the client is masked out)."""
@@ -203,6 +204,9 @@ class ChunkRunner:
             for u in program.updates
             for in_place in (False, True)
         }
+        self.stacked = all(u.stacked is not None for u in program.updates)
+        """Every update has a stacked form: a step over a few clients stays cheap, so the
+        last few clients of a chunk are not handed to the sequential backend."""
         self.num = 0
         self.streams: list[dict[str, torch.Generator]] = []
         """Each chunk client's draw streams (``Update.draw``), continued across steps."""
@@ -249,7 +253,7 @@ class ChunkRunner:
             alive_at[s] += alive_at[s + 1]
         for s in range(end):
             alive = alive_at[s + 1]
-            if 0 < alive <= SEQUENTIAL_TAIL < num:
+            if 0 < alive <= SEQUENTIAL_TAIL < num and not self.stacked:
                 self._finish_tail(
                     leaves, spec, tasks, plans, shared_cpu, s, alive, sums, counts, runs
                 )
@@ -320,11 +324,17 @@ class ChunkRunner:
             batches[0] = (*batches[0], self._draws(update, rows, on))
         on = on.to(self.device)
         everyone = bool(on.all())
-        # in place only when no client's old value is needed by the masking below
-        vmapped = self._vmapped[(update.name, everyone)]
-        # torch.func.grad ignores an outer no_grad; everything else here records no graph
-        with torch.no_grad():
-            new_carry, metrics = vmapped(spec.build(sub), tuple(batches), shared)
+        if everyone and update.stacked is not None and isinstance(rows, slice):
+            # every client steps: the stacked update, in place on views of the chunk's carry
+            new_carry, metrics = update.stacked(
+                spec.build(sub), tuple(Batch(*b) for b in batches), shared
+            )
+        else:
+            # in place only when no client's old value is needed by the masking below
+            vmapped = self._vmapped[(update.name, everyone)]
+            # torch.func.grad ignores an outer no_grad; everything else here records no graph
+            with torch.no_grad():
+                new_carry, metrics = vmapped(spec.build(sub), tuple(batches), shared)
         new_leaves = spec.leaves(new_carry)
         whole = rows == slice(0, self.num)
         for i, (old, new) in enumerate(zip(sub, new_leaves, strict=True)):

@@ -1,0 +1,239 @@
+"""A sample-wise model run for C clients at once, without ``vmap``: stacked weights, one merged
+batch, and SGD steps written straight into the stacked weights.
+
+The vmap backend (solvers/vmap.py) runs any client program on any module, but a batched step
+under ``torch.func`` pays a fixed cost per call (its transforms wrap every tensor of the
+forward and backward passes). At the minibatch sizes most FL papers use (B = 10 in the FedAvg
+paper) that cost dominates: ten clients' 2NN step is a few milliseconds of kernel work. This
+module runs such steps directly (docs/executors.md; numbers in benchmarks/README.md,
+"Stacked steps"):
+
+- **Stacked weights.** Each parameter holds C clients' copies along a new leading dimension.
+- **One merged batch.** The C clients' minibatches are one batch of C*B samples, client c's
+  rows at c*B .. (c+1)*B. Element-wise operations, pooling and flattening in the model's own
+  ``forward`` treat every sample alone, so they run unchanged; only the layers that hold
+  parameters are swapped, for the duration of a call, for stacked versions: ``nn.Linear`` as
+  one batched product per layer (``torch.baddbmm``), ``nn.Conv2d`` as one grouped
+  convolution of C groups.
+- **Gradients as outer products.** A linear layer's weight gradient is G^T H (G: the gradient
+  at its output, H: its input). Autograd is asked for the gradients at the linear layers'
+  outputs only (a zero tensor is added to an output that nothing upstream of it makes
+  differentiable, the first layer's, to have something to ask at): it never forms the C
+  weight gradients. A step then writes ``W <- W - lr G^T H`` into W with one ``baddbmm_``,
+  reading and writing the largest tensors once. Convolution weights (small next to the linear
+  layers of the built-in CNN) get ordinary autograd gradients.
+
+The loss is the sum over clients of each client's weighted mean loss, so the gradient with
+respect to client c's weights is client c's own gradient: the clients never interact.
+
+A model qualifies when it declares its forward pass sample-wise (``FedModel.samplewise``: no
+operation mixes samples of a batch) and every parameter belongs to an ``nn.Linear`` or an
+ungrouped, zero-padded ``nn.Conv2d`` (the built-in ``logreg``, ``mlp`` and ``cnn``); other
+models (batch normalization, recurrent layers, transformers, dropout) take the vmap path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tree = dict[str, torch.Tensor]
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(output, targets) -> per-sample loss, shape (samples,)."""
+
+
+def stackable(module: nn.Module) -> bool:
+    """Whether ``module`` can run stacked (see the module doc): it declares ``samplewise``,
+    has no dropout or normalization layers, and every parameter belongs to an ``nn.Linear``
+    or an ungrouped, zero-padded ``nn.Conv2d``."""
+    if not getattr(module, "samplewise", False):
+        return False
+    owners = 0
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd | nn.modules.batchnorm._NormBase):
+            return False
+        if isinstance(m, nn.Linear | nn.Conv2d):
+            if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or m.groups != 1):
+                return False
+            owners += sum(1 for _ in m.parameters(recurse=False))
+        elif any(True for _ in m.parameters(recurse=False)):
+            return False
+    return owners == sum(1 for _ in module.parameters())
+
+
+@dataclass
+class Taps:
+    """What a stacked forward pass recorded for the gradient: each linear layer's input H
+    (C, n, in) and the zero tap added to its output (C, n, out)."""
+
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    taps: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class StackedGrad:
+    """The C clients' gradients of one step: linear weights as factors (G, H) whose product
+    G^T H is the gradient, and biases as G summed over samples (``dense``)."""
+
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    dense: Tree
+
+    def names(self) -> list[str]:
+        """The parameter keys that have a gradient."""
+        return [*self.factors, *self.dense]
+
+    def materialize(self, key: str) -> torch.Tensor:
+        """gradient[key] as a (C, ...) tensor (G^T H formed for a linear weight)."""
+        if key in self.factors:
+            g, h = self.factors[key]
+            return torch.bmm(g.transpose(1, 2), h)
+        return self.dense[key]
+
+    def add_to(self, key: str, target: torch.Tensor, alpha: float) -> None:
+        """target += alpha * gradient[key], in place (no gradient tensor is formed for linear
+        weights)."""
+        if key in self.factors:
+            g, h = self.factors[key]
+            target.baddbmm_(g.transpose(1, 2), h, alpha=alpha)
+        else:
+            target.add_(self.dense[key], alpha=alpha)
+
+
+
+class StackedModel:
+    """Runs ``module`` (which must be :func:`stackable`) for C clients at once."""
+
+    def __init__(self, module: nn.Module) -> None:
+        if not stackable(module):
+            raise ValueError(f"{type(module).__name__} cannot run stacked (core/stacked.py)")
+        self.module = module
+        self.layers: dict[str, nn.Module] = {
+            name: m for name, m in module.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)
+        }
+        self.conv_keys = [
+            (f"{name}." if name else "") + key
+            for name, m in self.layers.items()
+            if isinstance(m, nn.Conv2d)
+            for key, _ in m.named_parameters(recurse=False)
+        ]
+        """Convolution parameters: ordinary (dense) autograd gradients."""
+
+    @contextmanager
+    def bound(
+        self, params: Tree, clients: int, taps: Taps | None = None
+    ) -> Iterator[None]:
+        """Inside the block, calling ``module`` on a merged batch of ``clients`` equal
+        minibatches runs each client's rows with its own stacked ``params`` (with ``taps``:
+        recording what :meth:`value_and_grad` needs)."""
+        for name, layer in self.layers.items():
+            prefix = f"{name}." if name else ""
+            weight = params[prefix + "weight"]
+            bias = params.get(prefix + "bias") if layer.bias is not None else None
+            if isinstance(layer, nn.Linear):
+                layer.forward = _stacked_linear(weight, bias, clients, prefix, taps)
+            else:
+                layer.forward = _stacked_conv(layer, weight, bias, clients)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                del layer.forward  # back to the class's forward
+
+    def forward(self, params: Tree, x: torch.Tensor) -> torch.Tensor:
+        """The C clients' outputs on their minibatches ``x`` (C, B, ...), merged: (C*B, ...)."""
+        clients = x.shape[0]
+        with self.bound(params, clients):
+            return self.module(x.reshape(-1, *x.shape[2:]))
+
+    def value_and_grad(
+        self,
+        params: Tree,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        w: torch.Tensor,
+        loss: Loss,
+        trainable: set[str] | None = None,
+    ) -> tuple[StackedGrad, torch.Tensor]:
+        """Each client's gradient of its weighted mean loss sum_i w_i l_i / sum_i w_i on its
+        minibatch (x, y, w: (C, B, ...)), and the C losses. ``trainable``: the keys to
+        differentiate (default: all)."""
+        clients, width = x.shape[0], x.shape[1]
+        taps = Taps()
+        leaves = {
+            k: params[k].detach().requires_grad_(True)
+            for k in self.conv_keys
+            if trainable is None or k in trainable
+        }
+        with torch.enable_grad(), self.bound({**params, **leaves}, clients, taps):
+            out = self.module(x.reshape(-1, *x.shape[2:]))
+            per = loss(out, y.reshape(-1, *y.shape[2:])).view(clients, width)
+            losses = (per * w).sum(1) / w.sum(1).clamp_min(1.0)
+            wanted = {
+                name: tap
+                for name, tap in taps.taps.items()
+                if trainable is None or {f"{name}weight", f"{name}bias"} & trainable
+            }
+            inputs = [*wanted.values(), *leaves.values()]
+            grads = torch.autograd.grad(losses.sum(), inputs) if inputs else ()
+        factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        dense: Tree = dict(zip(leaves, grads[len(wanted) :], strict=True))
+        for name, g in zip(wanted, grads, strict=False):
+            if trainable is None or f"{name}weight" in trainable:
+                factors[f"{name}weight"] = (g, taps.inputs[name])
+            if f"{name}bias" in params and (trainable is None or f"{name}bias" in trainable):
+                dense[f"{name}bias"] = g.sum(1)
+        return StackedGrad(factors, dense), losses.detach()
+
+
+def _stacked_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, clients: int, name: str, taps: Taps | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(clients, -1, x.shape[-1])  # client c's samples are rows c*n .. (c+1)*n
+        out = (
+            torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+            if bias is not None
+            else torch.bmm(rows, weight.transpose(1, 2))
+        )
+        if taps is not None:
+            taps.inputs[name] = rows.detach()
+            if out.requires_grad:  # autograd can stop at this output itself
+                taps.taps[name] = out
+            else:  # nothing upstream needs a gradient: add a zero leaf to stop at
+                tap = torch.zeros_like(out, requires_grad=True)
+                taps.taps[name] = tap
+                out = out + tap
+        return out.reshape(*x.shape[:-1], weight.shape[1])
+
+    return forward
+
+
+def _stacked_conv(
+    layer: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor | None, clients: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A convolution of C clients as one grouped convolution of C groups (measured faster than
+    a batched product over unfolded patches at 28x28, and within 10 % of it at 8x8:
+    benchmarks/README.md, "Stacked steps")."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0] // clients
+        # (C*n, cin, H, W) -> (n, C*cin, H, W): client c's channels are group c
+        grouped = x.view(clients, n, *x.shape[1:]).transpose(0, 1).reshape(n, -1, *x.shape[2:])
+        out = F.conv2d(
+            grouped,
+            weight.reshape(-1, *weight.shape[2:]),
+            bias.reshape(-1) if bias is not None else None,
+            layer.stride,
+            layer.padding,
+            layer.dilation,
+            clients,
+        )
+        out = out.view(n, clients, -1, *out.shape[2:]).transpose(0, 1)
+        return out.reshape(clients * n, *out.shape[2:])
+
+    return forward
