@@ -406,7 +406,7 @@ def run_fedloom(setting: Setting, executor: str) -> dict[str, Any]:
 
 # -- the comparison -----------------------------------------------------------------------------
 def describe_rounds(rounds: list[float]) -> dict[str, Any]:
-    """The first round apart (Ray's start, auto's probe); ``per_round_s``: the mean of the
+    """The first round apart (Ray's start; fedloom's first calls); ``per_round_s``: the mean of the
     others (Flower's rounds come in steps of its 0.1 s polling, which a median would jump
     between), their median beside it."""
     rest = rounds[1:] or rounds
@@ -509,7 +509,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         lines.append("")
     lines.append(
         "s/round: mean of rounds 2..R (a round: training, aggregation and the evaluation of "
-        "the 10k test images); 1st round: with Ray's start (Flower) or auto's probe (fedloom); "
+        "the 10k test images); 1st round: with Ray's start (Flower) or the first calls (fedloom); "
         "whole run: data set-up to return. Read the ratios: the machine is shared."
     )
     return "\n".join(lines)
