@@ -76,8 +76,13 @@ def test_the_cost_model_prefers_stacking_for_small_steps_and_processes_for_large
     """The FedAvg paper's B = 10 2NN clients run stacked; the FedAvg CNN at B = 32 on 28x28
     images (about 400M multiply-accumulates a step) runs one client per core."""
     small = shape()
-    assert estimate("vectorized", 2, small, 10) < estimate("sequential", 1, small, 10)
-    assert estimate("vectorized", 2, small, 10) < estimate("processes=2", 1, small, 10)
+    stacked = min(estimate("vectorized", t, small, 10) for t in (1, 2))
+    assert stacked < estimate("sequential", 1, small, 10)
+    assert stacked < estimate("processes=2", 1, small, 10)
+    # ten clients' small batched step does not gain from a second thread; a thousand's does
+    assert estimate("vectorized", 1, small, 10) < estimate("vectorized", 2, small, 10)
+    many = shape(clients=1000, steps=6, params=7850, macs=7840)
+    assert estimate("vectorized", 2, many, 1000) < estimate("vectorized", 1, many, 1000)
     cnn = shape(batch=32, macs=12_000_000, conv=True, params=1_663_370, steps=19)
     assert estimate("processes=2", 1, cnn, 10) < estimate("vectorized", 2, cnn, 10)
     assert estimate("processes=2", 1, cnn, 10) < estimate("sequential", 1, cnn, 10)

@@ -57,7 +57,7 @@ class CostModel:
 
     client: float = 2.0e-4
     """Per client and round, one client at a time: plans, carry, result."""
-    step: float = 3.0e-4
+    step: float = 3.5e-4
     """Per update, one client at a time on the lean trainer (the FedAvg family): the autograd
     engine and a dozen small kernels."""
     generic_step: float = 6.0e-4
@@ -70,11 +70,11 @@ class CostModel:
     thread_speedup: float = 1.6
     """A step of at least SMALL_STEP_MACS on every core against one (smaller steps do not
     speed up with threads: the sequential candidate on all cores is not considered)."""
-    ship: float = 4.0e-3
+    ship: float = 2.0e-4
     """Per client and round, worker processes: pickling and moving its work and result."""
-    ship_bandwidth: float = 1.0e9
+    ship_bandwidth: float = 3.0e9
     """Bytes per second a worker process's message, state and result travel at."""
-    pool: float = 2.0e-2
+    pool: float = 8.0e-3
     """Per round, worker processes: submitting and collecting the groups."""
     stacked_step: float = 3.0e-4
     """Per batched update, the stacked path (core/stacked.py)."""
@@ -94,7 +94,14 @@ class CostModel:
     vector_client: float = 1.0e-4
     """Per client and round, vectorized: stacking, result, finish."""
     thread_scaling: float = 1.5
-    """Batched work on every core against one (the clients split across the cores)."""
+    """Batched work on every core against one, for a batched step of at least
+    ``big_step_flops`` of a model without convolutions (W1, W3: 2 threads were fastest)."""
+    small_thread_scaling: float = 0.8
+    """The same below it, and for convolutions: a stacked round of the FedAvg paper's setting
+    (10 clients, about 0.12 GFLOP a step) took 0.156 s at 2 threads against 0.117 s at 1, the
+    default experiment's CNN 0.160 against 0.133 s."""
+    big_step_flops: float = 3e8
+    """Floating-point operations of one batched step above which threads pay."""
 
 
 COSTS = CostModel()
@@ -140,7 +147,8 @@ def estimate(
         rate = (costs.conv_rate if shape.conv else costs.rate) * speedup
         per_update = (costs.step if shape.lean else costs.generic_step) + shape.flops / rate
         return shape.clients * costs.client + updates * per_update
-    scaling = 1.0 if threads == 1 else costs.thread_scaling
+    big = not shape.conv and chunk * shape.flops >= costs.big_step_flops
+    scaling = 1.0 if threads == 1 else costs.thread_scaling if big else costs.small_thread_scaling
     rate = (costs.conv_vector_rate if shape.conv else costs.vector_rate) * scaling
     fixed = costs.stacked_step if shape.stacked else costs.vmap_step
     touch = costs.touch if shape.stacked else costs.vmap_touch
