@@ -218,9 +218,19 @@ class Algorithm:
         batched: bool = False,
     ) -> list[tuple[Tree, Tree]]:
         """Every client's ``deployed_model``. ``batched``: the executor runs clients stacked,
-        and an algorithm whose deployment trains (fine-tuning) may train all of them at once
-        (``finetuned_models``)."""
+        and an algorithm whose deployment trains does it for all of them at once
+        (``batched_deployment``)."""
+        models = self.batched_deployment(server, tasks) if batched else None
+        if models is not None:
+            return models
         return [self.deployed_model(server, s, t) for s, t in zip(states, tasks, strict=True)]
+
+    def batched_deployment(
+        self, server: State, tasks: Sequence[ClientTask]
+    ) -> list[tuple[Tree, Tree]] | None:
+        """Every client's deployed model trained at once (``finetuned_models``), or None:
+        deploy one client at a time (the default; deployments that do not train)."""
+        return None
 
     def deployment_trains(self) -> bool:
         """Whether ``deployed_model`` trains (fine-tunes on the client's data): executors

@@ -28,19 +28,12 @@ class FedAvgFT(FedAvg):
     def deployment_trains(self) -> bool:
         return self.config.finetune_steps > 0
 
-    def deployed_models(
-        self,
-        server: State,
-        states: Sequence[State | None],
-        tasks: Sequence[ClientTask],
-        batched: bool = False,
-    ) -> list[tuple[Tree, Tree]]:
-        """Every client's fine-tuning at once when the executor runs clients stacked."""
+    def batched_deployment(
+        self, server: State, tasks: Sequence[ClientTask]
+    ) -> list[tuple[Tree, Tree]] | None:
         start = (server["params"], server["buffers"])
         lr = self.config.finetune_lr or self.ctx.lr
-        steps = self.config.finetune_steps
-        models = self.finetuned_models(start, tasks, steps, "finetune", lr) if batched else None
-        return models if models is not None else super().deployed_models(server, states, tasks)
+        return self.finetuned_models(start, tasks, self.config.finetune_steps, "finetune", lr)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

@@ -67,24 +67,17 @@ class AdaptedDeployment(Algorithm):
     def deployment_trains(self) -> bool:
         return self.config.adapt_steps > 0  # type: ignore[attr-defined]
 
-    def deployed_models(
-        self,
-        server: State,
-        states: Sequence[State | None],
-        tasks: Sequence[ClientTask],
-        batched: bool = False,
-    ) -> list[tuple[Tree, Tree]]:
-        """Every client's adaptation at once when the executor runs clients stacked (clients
-        without training data keep theta)."""
+    def batched_deployment(
+        self, server: State, tasks: Sequence[ClientTask]
+    ) -> list[tuple[Tree, Tree]] | None:
+        """Every client's adaptation at once (clients without training data keep theta;
+        0 steps: theta itself, one at a time)."""
         theta = self.global_model(server)
         assert theta is not None
         steps: int = self.config.adapt_steps  # type: ignore[attr-defined]
-        models = (
-            self.finetuned_models(theta, tasks, steps, ADAPT_PURPOSE, self.deployment_lr())
-            if batched and steps
-            else None
-        )
-        return models if models is not None else super().deployed_models(server, states, tasks)
+        if not steps:
+            return None
+        return self.finetuned_models(theta, tasks, steps, ADAPT_PURPOSE, self.deployment_lr())
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
