@@ -38,18 +38,31 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "vectorized/threads=1": {"kind": "vectorized", "threads": 1},
     "vectorized/threads=2": {"kind": "vectorized", "threads": 2},
     "processes=2/threads=1": {"kind": "sequential", "workers": 2, "threads": 1},
+    "vectorized-processes=2/threads=1": {"kind": "vectorized", "workers": 2, "threads": 1},
 }
 
 
-def mnist(clients: int, per_round: int | None, batch: int, lr: float, algo: str = "fedavg",
-          model: str = "mlp", **algo_keys: Any) -> dict[str, Any]:
+def mnist(
+    clients: int,
+    per_round: int | None,
+    batch: int,
+    lr: float,
+    algo: str = "fedavg",
+    model: str = "mlp",
+    **algo_keys: Any,
+) -> dict[str, Any]:
     return {
         "seed": 0,
         "data": {"name": "mnist", "num_clients": clients, "partition": {"kind": "iid"}},
         "model": {"name": model},
         "algorithm": {"name": algo, **algo_keys},
-        "train": {"rounds": 1000, "clients_per_round": per_round, "local_epochs": 1,
-                  "batch_size": batch, "lr": lr},
+        "train": {
+            "rounds": 1000,
+            "clients_per_round": per_round,
+            "local_epochs": 1,
+            "batch_size": batch,
+            "lr": lr,
+        },
         "eval": {"every": 1000},
         "checkpoint": {"every": None},
     }
@@ -146,7 +159,7 @@ def measure(name: str, repeats: int, rounds: int) -> dict[str, Any]:
         "auto_over_best": round(medians[choice] / medians[best], 3),
         "sequential_over_vectorized": round(
             min(medians["sequential/threads=1"], medians["sequential/threads=2"])
-            / min(medians["vectorized/threads=1"], medians["vectorized/threads=2"]),
+            / min(v for k, v in medians.items() if k.startswith("vectorized")),
             3,
         ),
         "estimates": {k: round(v, 4) for k, v in estimates.items()},
@@ -178,15 +191,19 @@ def default_run(repeats: int) -> dict[str, Any]:
     }
 
 
+def short(label: str) -> str:
+    return label.replace("/threads=", "/t").replace("vectorized-processes", "vec-proc")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     labels = list(CANDIDATES)
-    head = f"{'workload':<16}" + "".join(f"{k.replace('/threads=', '/t'):>15}" for k in labels)
+    head = f"{'workload':<16}" + "".join(f"{short(k):>15}" for k in labels)
     lines = [head + f"{'auto pick':>18}{'auto/best':>10}{'seq/vec':>9}", "-" * (len(head) + 37)]
     for row in rows:
         if "seconds_per_round" not in row:
             continue
         cells = "".join(f"{row['seconds_per_round'][k]:>15.4f}" for k in labels)
-        pick = row["auto"].replace("/threads=", "/t")
+        pick = short(row["auto"])
         lines.append(
             f"{row['workload']:<16}{cells}{pick:>18}{row['auto_over_best']:>9.2f}x"
             f"{row['sequential_over_vectorized']:>8.2f}x"
@@ -202,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-run", action="store_true", help="time whole default runs")
     args = parser.parse_args(argv)
     rows = []
-    for name in args.workloads.split(","):
+    for name in filter(None, args.workloads.split(",")):
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         rows.append(measure(name, args.repeats, args.rounds))
     if args.default_run:

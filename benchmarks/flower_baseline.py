@@ -64,9 +64,10 @@ if TYPE_CHECKING:
     from fedloom.data import FederatedData
 
 SEED = 0
-EXECUTORS = ("auto", "sequential", "vectorized", "processes")
+EXECUTORS = ("auto", "auto+monitor", "sequential", "vectorized", "processes")
 """fedloom contenders: ``executor.kind`` values, and ``processes``: the sequential executor in
-one 1-thread worker process per core (``workers: <cores>``), one of auto's candidates."""
+one 1-thread worker process per core (``workers: <cores>``), one of auto's candidates;
+``+monitor``: with fedloom's monitoring on (fedloom_config)."""
 TARGETS = {
     "small": {"per_round": 3.0, "whole_run": 3.0},
     "large": {"per_round": 4.0, "whole_run": 3.0},
@@ -105,7 +106,12 @@ def log(message: str) -> None:
 
 # -- the shared data ----------------------------------------------------------------------------
 def fedloom_config(setting: Setting, executor: str) -> dict[str, Any]:
-    """fedloom's config of ``setting`` (evaluation every round, no run directory)."""
+    """fedloom's config of ``setting`` (evaluation every round, no run directory). The
+    contender ``<executor>+monitor`` keeps fedloom's training-health monitoring on (its
+    default: update norms, the clients' cosine matrix and zeta^2 from 10 clients' gradients
+    every evaluated round, engine/monitoring.py); plain ``<executor>`` turns it off, so that
+    both sides do the same work (train, aggregate, evaluate the test set)."""
+    executor, _, extra = executor.partition("+")
     return {
         "seed": SEED,
         "data": {
@@ -123,6 +129,7 @@ def fedloom_config(setting: Setting, executor: str) -> dict[str, Any]:
             "lr": setting.lr,
         },
         "eval": {"every": 1},
+        "monitor": {"enabled": extra == "monitor"},
         "executor": executor_config(executor),
     }
 

@@ -45,8 +45,14 @@ def first_round(e: Engine) -> None:
 
 def shape(**changes: float) -> Shape:
     base = {
-        "clients": 10, "steps": 48, "updates": 1, "batch": 10, "params": 199_210,
-        "macs": 199_000, "conv": False, "stacked": True,
+        "clients": 10,
+        "steps": 48,
+        "updates": 1,
+        "batch": 10,
+        "params": 199_210,
+        "macs": 199_000,
+        "conv": False,
+        "stacked": True,
     }
     return Shape(**{**base, **changes})  # type: ignore[arg-type]
 
@@ -61,13 +67,14 @@ def test_candidates_are_both_thread_counts_and_one_process_per_core(monkeypatch)
             ("vectorized", 1),
             ("vectorized", 4),
             ("processes=4", 1),
+            ("vectorized-processes=4", 1),
         ]
         assert ex._candidates(big)[:2] == [("sequential", 1), ("sequential", 4)]
     finally:
         ex.close()
     pinned = engine({"kind": "auto", "threads": 2}).executor
     try:
-        assert [t for _, t in pinned._candidates(big)] == [2, 2, 1]
+        assert [t for _, t in pinned._candidates(big)] == [2, 2, 1, 1]
     finally:
         pinned.close()
 
@@ -97,9 +104,7 @@ def test_the_choice_is_a_function_of_the_config(monkeypatch):
     choices = []
     for jitter in (0.0, 5.0):
         ticks = iter(range(10**6))
-        monkeypatch.setattr(
-            "time.perf_counter", lambda j=jitter, t=ticks: next(t) * (1 + j)
-        )
+        monkeypatch.setattr("time.perf_counter", lambda j=jitter, t=ticks: next(t) * (1 + j))
         e = engine({"kind": "auto"})
         try:
             first_round(e)
@@ -130,7 +135,7 @@ def test_auto_runs_its_choice_at_its_thread_count(monkeypatch):
     finally:
         ex.close()
     assert seen == [2] and torch.get_num_threads() == before
-    assert ex.processes is None  # not chosen: no worker process was ever started
+    assert ex.pools == {}  # not chosen: no worker process was ever started
 
 
 def digits(executor: dict) -> dict:
@@ -162,15 +167,21 @@ def test_two_runs_of_one_config_under_auto_are_bitwise_equal():
             assert torch.equal(value, b.client_params[cid][key]), (cid, key)
 
 
-@pytest.mark.parametrize("choice", ["sequential/threads=1", "vectorized/threads=2"])
+FIXED = {
+    "sequential/threads=1": {"kind": "sequential", "threads": 1},
+    "vectorized/threads=2": {"kind": "vectorized", "threads": 2},
+    "vectorized-processes=2/threads=1": {"kind": "vectorized", "workers": 2, "threads": 1},
+    # a choice stored by a run on another core count (resume): its own worker count
+    "processes=3/threads=1": {"kind": "sequential", "workers": 3, "threads": 1},
+}
+
+
+@pytest.mark.parametrize("choice", list(FIXED))
 def test_auto_equals_the_fixed_executor_it_picked(monkeypatch, choice):
     """Whatever auto picks, its run is that executor's run, bit for bit."""
     monkeypatch.setattr(auto.AutoExecutor, "choose", lambda self, *args: choice)
-    kind, threads = choice.split("/threads=")
     a = fedloom.run(digits({"kind": "auto"}), write=False, progress=False)
-    b = fedloom.run(
-        digits({"kind": kind, "threads": int(threads)}), write=False, progress=False
-    )
+    b = fedloom.run(digits(FIXED[choice]), write=False, progress=False)
     assert a.summary["executor_choice"] == choice
     assert metrics_without_time(a.history) == metrics_without_time(b.history)
     for key, value in (a.global_params or {}).items():

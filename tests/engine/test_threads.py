@@ -167,7 +167,7 @@ class ThreadReporter:
 def test_worker_processes_run_at_their_thread_count() -> None:
     e = engine({"kind": "sequential"})
     tasks = e.tasks_for_round(1, e.train_ids)[:2]
-    pool = MultiprocessExecutor(ThreadReporter(), workers=1, threads=2)
+    pool = MultiprocessExecutor(ThreadReporter(), workers=2, threads=2)  # here and 1 worker
     pool.prepare(dict(enumerate(e.data.clients)))
     try:
         with torch_threads(1):

@@ -227,3 +227,40 @@ def test_gradient_dissimilarity_stacked_equals_one_client_at_a_time(monkeypatch)
     monkeypatch.setattr(model, "stacked", lambda: None)
     looped = gradient_dissimilarity(model, params, buffers, datas)
     assert stacked == pytest.approx(looped, rel=1e-5) and looped > 0
+
+
+@pytest.mark.parametrize("name", ["logreg", "mlp"])
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_relu_chain_backward_by_hand_equals_autograd(name, task):
+    """core/stacked_chain.py: the hand-written backward of a declared ReLU chain gives the
+    generic (autograd) stacked path's factors, bias gradients and losses, padded clients
+    included, also for a trainable subset."""
+    outputs = 5 if task == "classification" else 1
+    model = FunctionalModel(build_model(name, SHAPES[name], outputs), task)
+    stacked = model.stacked()
+    assert stacked is not None and stacked.chain is not None
+    params = stacked_params(model, 3)
+    b = batch(SHAPES[name], padded=True)
+    y = b.y if task == "classification" else b.y.float() / 4
+    loss = model.per_sample_loss
+    for trainable in (None, {k for k in params if k.endswith("bias")}):
+        by_hand, hand_losses = stacked.value_and_grad(params, b.x, y, b.w, loss, trainable, task)
+        auto, auto_losses = stacked.value_and_grad(params, b.x, y, b.w, loss, trainable)
+        assert sorted(by_hand.names()) == sorted(auto.names())
+        assert torch.allclose(hand_losses, auto_losses, atol=1e-6)
+        for key in auto.names():
+            assert torch.allclose(by_hand.materialize(key), auto.materialize(key), atol=1e-6), key
+
+
+def test_relu_chain_is_not_inherited_by_a_forward_of_its_own():
+    from fedloom.core.stacked_chain import relu_chain
+    from fedloom.models.simple import MLP
+
+    class Residual(MLP):  # another forward over the same layers: the chain no longer holds
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.fc1(x.flatten(1)))
+            return self.fc3(h + torch.relu(self.fc2(h)))
+
+    assert relu_chain(MLP((1, 8, 8), 5)) is not None
+    assert relu_chain(Residual((1, 8, 8), 5)) is None
+    assert relu_chain(build_model("cnn", (1, 8, 8), 5)) is None  # declares none

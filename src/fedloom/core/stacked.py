@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedloom.core.stacked_chain import chain_forward, chain_gradients, output_gradient, relu_chain
+
 Tree = dict[str, torch.Tensor]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(output, targets) -> per-sample loss, shape (samples,)."""
@@ -104,7 +106,6 @@ class StackedGrad:
             target.add_(self.dense[key], alpha=alpha)
 
 
-
 class StackedModel:
     """Runs ``module`` (which must be :func:`stackable`) for C clients at once."""
 
@@ -122,11 +123,12 @@ class StackedModel:
             for key, _ in m.named_parameters(recurse=False)
         ]
         """Convolution parameters: ordinary (dense) autograd gradients."""
+        self.chain = relu_chain(module)
+        """The layers of a declared ReLU chain, whose backward runs by hand
+        (core/stacked_chain.py); None: autograd's."""
 
     @contextmanager
-    def bound(
-        self, params: Tree, clients: int, taps: Taps | None = None
-    ) -> Iterator[None]:
+    def bound(self, params: Tree, clients: int, taps: Taps | None = None) -> Iterator[None]:
         """Inside the block, calling ``module`` on a merged batch of ``clients`` equal
         minibatches runs each client's rows with its own stacked ``params`` (with ``taps``:
         recording what :meth:`value_and_grad` needs)."""
@@ -158,10 +160,22 @@ class StackedModel:
         w: torch.Tensor,
         loss: Loss,
         trainable: set[str] | None = None,
+        task: str | None = None,
     ) -> tuple[StackedGrad, torch.Tensor]:
         """Each client's gradient of its weighted mean loss sum_i w_i l_i / sum_i w_i on its
         minibatch (x, y, w: (C, B, ...)), and the C losses. ``trainable``: the keys to
-        differentiate (default: all)."""
+        differentiate (default: all). ``task``: ``loss`` is the model's own per-sample loss
+        of that task (``FunctionalModel.per_sample_loss``), so that a ReLU chain can run its
+        backward by hand (core/stacked_chain.py)."""
+        if self.chain is not None and task is not None:
+            with torch.no_grad():
+                hs = chain_forward(self.chain, params, x)
+                grad, losses = output_gradient(hs[-1], y, w, task)
+                factors, dense = chain_gradients(self.chain, params, hs, grad)
+            if trainable is not None:
+                factors = {k: v for k, v in factors.items() if k in trainable}
+                dense = {k: v for k, v in dense.items() if k in trainable}
+            return StackedGrad(factors, dense), losses
         clients, width = x.shape[0], x.shape[1]
         taps = Taps()
         leaves = {

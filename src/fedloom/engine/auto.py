@@ -16,21 +16,23 @@ of ``B`` samples, a model of ``P`` parameters and ``M`` multiply-accumulates per
 (``F = 6 B M`` floating-point operations for a forward and backward pass)::
 
     sequential, T threads   n (CLIENT + S U (STEP + F / rate(T)))
-    processes, W workers    sequential(1) / W + n SHIP(P) + POOL
     vectorized, T threads   chunks S U (VSTEP + c (F / vrate(T) + TOUCH P / bandwidth(T)))
                             + n VCLIENT
+    processes, W            sequential(1) / W + n (W - 1) / W SHIP(P) + POOL
+    vectorized-processes, W vectorized(1) of n / W clients + n (W - 1) / W SHIP(P) + POOL
 
 where c is the chunk size and VSTEP the fixed cost of one batched step: small for the stacked
-path (core/stacked.py), larger under ``vmap``. The choice is reported in ``choice`` (and the
-run summary) with every candidate's estimate in ``estimates``, and kept in checkpoints so a
-resumed run continues on the same executor.
+path (core/stacked.py), larger under ``vmap``. With W processes (engine/processes.py) this
+process trains one group of clients and W - 1 forked workers the others; only theirs travel.
+The choice is reported in ``choice`` (and the run summary) with every candidate's estimate in
+``estimates``, and kept in checkpoints so a resumed run continues on the same executor.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -131,17 +133,23 @@ class Shape:
         return 6.0 * self.batch * self.macs
 
 
-def estimate(
-    kind: str, threads: int, shape: Shape, chunk: int, costs: CostModel = COSTS
-) -> float:
+def estimate(kind: str, threads: int, shape: Shape, chunk: int, costs: CostModel = COSTS) -> float:
     """Estimated seconds of one round of ``shape`` on candidate ``kind`` (``sequential``,
-    ``vectorized`` or ``processes=W``) at ``threads`` intra-op threads."""
+    ``vectorized``, ``processes=W`` or ``vectorized-processes=W``) at ``threads`` intra-op
+    threads."""
     updates = shape.clients * shape.steps * shape.updates
-    if kind.startswith("processes="):
-        workers = int(kind.split("=")[1])
+    if "processes=" in kind:
+        inner, workers_text = kind.split("processes=")
+        workers = int(workers_text)
         # the message and a state in, the upload and a new state out, float32
-        ship = shape.clients * (costs.ship + 4 * 4 * shape.params / costs.ship_bandwidth)
-        return estimate("sequential", 1, shape, chunk, costs) / workers + ship + costs.pool
+        shipped = shape.clients * (workers - 1) / workers
+        ship = shipped * (costs.ship + 4 * 4 * shape.params / costs.ship_bandwidth)
+        if inner == "vectorized-":
+            group = replace(shape, clients=math.ceil(shape.clients / workers))
+            work = estimate("vectorized", 1, group, min(chunk, group.clients), costs)
+        else:
+            work = estimate("sequential", 1, shape, chunk, costs) / workers
+        return work + ship + costs.pool
     speedup = 1.0 if threads == 1 else costs.thread_speedup
     if kind == "sequential":
         rate = (costs.conv_rate if shape.conv else costs.rate) * speedup
@@ -183,23 +191,44 @@ class AutoExecutor:
                 raise
             # a model vmap cannot reproduce (dropout): the other candidates only
         self.cores = usable_cores()
-        self.processes: MultiprocessExecutor | None = None
+        self.pools: dict[str, MultiprocessExecutor] = {}
+        """Worker-process candidates by kind ('processes=N': sequential inside,
+        'vectorized-processes=N'); their workers are forked only if chosen."""
         if self.cores > 1 and config.device == "cpu":
             workers = config.workers or self.cores
-            self.processes = MultiprocessExecutor(SequentialExecutor(model), workers, 1)
+            kinds = ["processes"] + (["vectorized-processes"] if self.vectorized else [])
+            self.pools = {f"{k}={workers}": self._new_pool(k, workers) for k in kinds}
+        self._clients: dict[int, ClientData] = {}
         self.choice: str | None = None
-        """'sequential/threads=T', 'vectorized/threads=T' or 'processes=N/threads=1'."""
+        """'<kind>/threads=T', kind one of sequential, vectorized, processes=N and
+        vectorized-processes=N."""
         self.estimates: dict[str, float] = {}
         """Each candidate's estimated seconds per round (the cost model's, not measured)."""
         self._macs: int | None = None
 
+    def _new_pool(self, kind: str, workers: int) -> MultiprocessExecutor:
+        """A worker-process candidate: 'processes' (sequential inside) or
+        'vectorized-processes' (sharing the in-process vectorized executor)."""
+        inner = (
+            self.vectorized if kind == "vectorized-processes" else SequentialExecutor(self.model)
+        )
+        return MultiprocessExecutor(inner, workers, 1)
+
     def prepare(self, clients: dict[int, ClientData]) -> None:
-        for executor in (self.vectorized, self.processes):
-            if executor is not None:
-                executor.prepare(clients)
+        self._clients = dict(clients)
+        if self.vectorized is not None:
+            self.vectorized.prepare(clients)
+        for pool in self.pools.values():
+            self._prepare_pool(pool)
+
+    def _prepare_pool(self, pool: MultiprocessExecutor) -> None:
+        if pool.inner is self.vectorized:  # prepared in prepare()
+            pool.remember(self._clients)
+        else:
+            pool.prepare(self._clients)
 
     def close(self) -> None:
-        for executor in (self.vectorized, self.processes):
+        for executor in (self.vectorized, *self.pools.values()):
             if executor is not None:
                 executor.close()
 
@@ -209,8 +238,11 @@ class AutoExecutor:
         if kind == "vectorized":
             assert self.vectorized is not None
             return self.vectorized
-        assert self.processes is not None
-        return self.processes
+        if kind not in self.pools:  # a stored choice of another core count (resume)
+            name, workers = kind.split("=")
+            self.pools[kind] = self._new_pool(name, int(workers))
+            self._prepare_pool(self.pools[kind])
+        return self.pools[kind]
 
     @property
     def batches_clients(self) -> bool:
@@ -245,8 +277,7 @@ class AutoExecutor:
             candidates = [("sequential", t) for t in threads if t == threads[0] or big]
         if self.vectorized is not None:
             candidates += [("vectorized", t) for t in threads]
-        if self.processes is not None:
-            candidates.append((f"processes={self.processes.workers}", 1))
+        candidates += [(kind, 1) for kind in self.pools]
         return candidates
 
     def shape(self, algorithm: Algorithm, message: Message, tasks: list[ClientTask]) -> Shape:
@@ -268,8 +299,7 @@ class AutoExecutor:
             conv=any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules()),
             stacked=all(u.stacked is not None for u in program.updates),
             # fully on the fused trainer (Ditto's personal steps are not)
-            lean=type(program).run_lean is not ClientProgram.run_lean
-            and len(program.updates) == 1,
+            lean=type(program).run_lean is not ClientProgram.run_lean and len(program.updates) == 1,
         )
 
     def choose(self, algorithm: Algorithm, message: Message, tasks: list[ClientTask]) -> str:
@@ -292,9 +322,8 @@ class AutoExecutor:
             return []
         if self.choice is None:
             self.choice = self.choose(algorithm, message, tasks)
-        if self.processes is not None and not self.choice.startswith("processes"):
-            self.processes.close()  # not chosen: no worker processes are ever started
-            self.processes = None
+        for kind in [k for k in self.pools if not self.choice.startswith(f"{k}/")]:
+            self.pools.pop(kind).close()  # not chosen: its workers are never started
         kind, threads = self.choice.split("/threads=")
         with torch_threads(int(threads)):
             return self._executor(kind).run_round(algorithm, message, tasks, states)

@@ -25,6 +25,11 @@ class FedModel(nn.Module):
     """Whether ``forward`` treats every sample of a batch alone (no batch statistics, no
     operation across samples): such a model of linear and convolution layers runs many
     clients' steps stacked, without ``vmap`` (core/stacked.py)."""
+    relu_chain: ClassVar[tuple[str, ...]] = ()
+    """The ``nn.Linear`` layers, in order, of a ``forward`` that is exactly flatten, Linear,
+    ReLU, ..., Linear (no ReLU after the last): declared, the stacked step runs its backward
+    by hand (core/stacked_chain.py). A subclass with a ``forward`` of its own does not inherit
+    the declaration."""
 
     def _keys_under(self, prefixes: tuple[str, ...]) -> list[str]:
         names = [n for n, _ in self.named_parameters()] + [n for n, _ in self.named_buffers()]

@@ -16,6 +16,7 @@ class LogisticRegression(FedModel):
 
     head_modules = ("linear",)
     samplewise = True
+    relu_chain = ("linear",)
 
     def __init__(self, input_shape: tuple[int, ...], num_outputs: int) -> None:
         super().__init__()
@@ -30,6 +31,7 @@ class MLP(FedModel):
 
     head_modules = ("fc3",)
     samplewise = True
+    relu_chain = ("fc1", "fc2", "fc3")
 
     def __init__(self, input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> None:
         super().__init__()

@@ -49,7 +49,7 @@ def stacked_sgd_step(
     assert stacked is not None, "stacked_sgd_step needs a stackable model"
     keys = set(trainable) if trainable is not None else None
     grads, losses = stacked.value_and_grad(
-        params, batch.x, batch.y, batch.w, model.per_sample_loss, keys
+        params, batch.x, batch.y, batch.w, model.per_sample_loss, keys, model.task
     )
     with torch.no_grad():
         for k in grads.names():
@@ -95,9 +95,7 @@ def finetune_stacked(
     out: list[tuple[Tree, Tree]] = []
     for lo in range(0, len(starts), chunk):
         part = range(lo, min(lo + chunk, len(starts)))
-        params = {
-            k: torch.stack([starts[i][0][k] for i in part]) for k in starts[lo][0]
-        }
+        params = {k: torch.stack([starts[i][0][k] for i in part]) for k in starts[lo][0]}
         steps = max((len(plans[i]) for i in part), default=0)
         if on_step is not None:
             on_step(0, part, params)
@@ -117,8 +115,7 @@ def finetune_stacked(
             if on_step is not None:
                 on_step(s + 1, part, params)
         out += [
-            ({k: v[j].clone() for k, v in params.items()}, starts[i][1])
-            for j, i in enumerate(part)
+            ({k: v[j].clone() for k, v in params.items()}, starts[i][1]) for j, i in enumerate(part)
         ]
     return out
 
@@ -126,9 +123,7 @@ def finetune_stacked(
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
-def _gathered(
-    datas: Sequence[ClientData], plans: Sequence[list[torch.Tensor]], step: int
-) -> Batch:
+def _gathered(datas: Sequence[ClientData], plans: Sequence[list[torch.Tensor]], step: int) -> Batch:
     """Step ``step``'s minibatches of every client, padded to the widest with weight 0."""
     picked = [p[step] if step < len(p) else _NO_ROWS for p in plans]
     width = max(max((int(b.shape[0]) for b in picked), default=1), 1)
