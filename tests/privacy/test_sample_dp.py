@@ -24,13 +24,16 @@ from fedloom.solvers.local import poisson_plan
 from fedloom.solvers.program import Batch
 from tests.engine.test_executor_equivalence import assert_same
 from tests.privacy.test_client_dp import dp_config
+from tests.privacy.test_private_by_construction import NO_FINETUNING
 from tests.resume import killed_and_resumed
 
 
 def sample_dp_config(privacy: dict[str, Any], algorithm: str = "fedavg", **train: Any) -> dict:
     """dp_config with DP-SGD, on the sequential executor (``auto`` picks by timing, and two
-    runs compared bit for bit must not pick differently)."""
+    runs compared bit for bit must not pick differently), without non-private deployment
+    fine-tuning (refused under sample_dp)."""
     config = dp_config(privacy, algorithm, **train)
+    config["algorithm"].update(NO_FINETUNING.get(algorithm, {}))
     config["privacy"]["kind"] = "sample_dp"
     config["executor"] = {"kind": "sequential"}
     return config

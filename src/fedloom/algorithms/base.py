@@ -1,4 +1,5 @@
-"""The algorithm interface: four small pure pieces around a shared engine (DESIGN.md 2.1).
+"""The algorithm interface: four small pure pieces around a shared engine
+(docs/adding_an_algorithm.md).
 
 An algorithm says what the server sends (``server_message``), what one client does with it
 (``client_update``), how the server folds the uploads into its state (``aggregate``) and which
@@ -22,8 +23,9 @@ from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
-from fedloom.solvers.dpsgd import DPSGD, private_grad
+from fedloom.solvers.dpsgd import DPSGD
 from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
+from fedloom.solvers.ops import DP_BATCH, PrivacyRefused, private_update
 from fedloom.solvers.sequential import run_client
 from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_correction, stacked_sgd_step
 
@@ -100,7 +102,10 @@ class Algorithm:
     their data and upload: the client program is an :class:`SGDProgram` whose steps take the
     data gradient through ``data_grad``, on the engine's round plan (one Poisson minibatch a
     step). Declared by FedAvg (and its heirs that keep its program), FedProx, SCAFFOLD,
-    FedDyn, FedNova, the server optimizers, the partial-sharing family and local training."""
+    FedDyn, FedNova, the server optimizers, the partial-sharing family and local training.
+    The declaration is checked when the config is parsed; that the steps really are private
+    is enforced when they run (``SGDProgram``: the private ops, docs/privacy.md), so an heir
+    that overrides ``step`` is private or refused, never silently neither."""
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         self.config = config
@@ -364,11 +369,22 @@ class SGDProgram(StepProgram):
 
     With sample-level DP (``ctx.sample_dp``) grad F_k(w; B) is DP-SGD's noised mean of clipped
     per-sample gradients (solvers/dpsgd.py) on a Poisson minibatch, its noise drawn per step
-    from the client's stream."""
+    from the client's stream. Private by construction, for ``step`` and any override of it:
+    the step runs with ``ops.PrivateOps`` and a sealed minibatch (``ops.private_update``), so
+    its only data gradient is the private one (``data_grad``, ``steps.loss_grad``), taken
+    ``private_grads`` times a step, and a step that takes one any other way raises
+    ``PrivacyRefused`` naming the algorithm (docs/privacy.md)."""
 
     private_step: ClassVar[bool] = True
-    """Whether ``step`` takes its data gradient through ``data_grad`` (so sample-level DP
-    applies); a subclass with a step of its own says False unless it does the same."""
+    """Whether the program can run under sample-level DP: its steps take their data gradients
+    through ``data_grad`` / ``loss_grad`` only, so the DP ops make them private (a step that
+    does not is refused when it runs). False: the run is refused when it is built (a step
+    with an objective of its own, FedCR's)."""
+
+    private_grads: ClassVar[int] = 1
+    """Private gradients ``step`` takes per step under sample-level DP (FedSAM's two, at w and
+    at the perturbed point): each is noised sigma sqrt(private_grads), so the step is one
+    Gaussian mechanism of multiplier sigma and the accountant counts it once (PrivateOps)."""
 
     def __init__(self, algorithm: Algorithm) -> None:
         super().__init__(algorithm)
@@ -376,21 +392,30 @@ class SGDProgram(StepProgram):
         self.corrected = algorithm.has_correction()
         self.private = algorithm.ctx.sample_dp if self.private_step else None
         if self.private is not None:
+            if algorithm.deployment_trains():  # fine-tuning's steps are not DP-SGD's
+                raise PrivacyRefused(
+                    f"privacy.kind: sample_dp: {algorithm.name} fine-tunes each client's "
+                    "deployed model on its training data with non-private SGD steps; set its "
+                    "fine-tuning steps (finetune_steps, adapt_steps) to 0 (docs/privacy.md)"
+                )
             shapes = [(k, p.shape) for k, p in self.model.module.named_parameters()]
             self.updates = (
-                Update(self.STEP, (BATCHES,), self.step, self.private.noise_draw(shapes)),
+                private_update(
+                    self.STEP,
+                    (BATCHES,),
+                    self.step,
+                    self.private,
+                    shapes,
+                    self.private_grads,
+                    algorithm.name,
+                ),
             )
 
     def data_grad(self, ops: Ops, carry: Carry, batch: Batch) -> tuple[Tree, torch.Tensor]:
-        """grad F_k(w; B) and F_k(w; B) at the carry's ``params``: the minibatch's mean-loss
-        gradient, or DP-SGD's private estimate of it under sample-level DP (divided by the
-        client's expected batch size, ``carry['dp_batch']``)."""
-        params, buffers = carry["params"], carry["buffers"]
-        if self.private is not None:
-            return private_grad(self.model, params, buffers, batch, self.private, carry["dp_batch"])
-        return ops.value_and_grad(
-            self.model.weighted_loss, params, buffers, batch.x, batch.y, batch.w
-        )
+        """grad F_k(w; B) and F_k(w; B) at the carry's ``params`` (``ops.loss_grad``): the
+        minibatch's mean-loss gradient, or, with the private ops of sample-level DP, DP-SGD's
+        private estimate of it (divided by the client's expected batch size q n)."""
+        return ops.loss_grad(self.model, carry["params"], carry["buffers"], batch)
 
     def step_bytes(self, width: int) -> int:
         if self.private is None:
@@ -407,7 +432,7 @@ class SGDProgram(StepProgram):
         if self.corrected and state is not None:
             carry["state"] = state
         if self.private is not None:
-            carry["dp_batch"] = torch.tensor(self.private.expected_batch(task.data.num_train))
+            carry[DP_BATCH] = torch.tensor(self.private.expected_batch(task.data.num_train))
         return carry
 
     def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
@@ -449,7 +474,13 @@ class SGDProgram(StepProgram):
         return self.algorithm.local_finish(message, state, task, solved)
 
     def lean_sgd(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
-        """Plain SGD (``SGDProgram.step``) on the lean flat-buffer trainer, for one client."""
+        """Plain SGD (``SGDProgram.step``) on the lean flat-buffer trainer, for one client. Its
+        gradients are not private: under sample-level DP it refuses."""
+        if self.private is not None:
+            raise PrivacyRefused(
+                f"privacy.kind: sample_dp: {self.algorithm.name}'s client program runs the "
+                "lean trainer, whose gradients are not private (docs/privacy.md)"
+            )
         algorithm = self.algorithm
         params, buffers = algorithm.local_start(message, state, task)
         correction = None

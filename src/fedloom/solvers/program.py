@@ -75,7 +75,22 @@ def weighted_mean(per_sample: torch.Tensor, w: torch.Tensor | None) -> torch.Ten
 
 
 class Ops(Protocol):
-    """How an update takes gradients: the one thing that differs between backends."""
+    """How an update takes gradients: the one thing that differs between backends, and what
+    sample-level DP replaces. Under ``privacy.kind: sample_dp`` an update receives
+    ``ops.PrivateOps``: ``loss_grad`` is DP-SGD's private gradient, counted per step, and
+    ``value_and_grad`` / ``value_and_grad_aux`` raise (docs/privacy.md)."""
+
+    def loss_grad(
+        self,
+        model: FunctionalModel,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        batch: Batch,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The data gradient: (d F / d params, F) of the model's mean loss F on ``batch``'s
+        real samples; under sample-level DP, DP-SGD's noised mean of clipped per-sample
+        gradients on it. In training mode the forward pass updates ``buffers`` in place."""
+        ...
 
     def value_and_grad(
         self, f: Callable[..., torch.Tensor], params: dict[str, torch.Tensor], *args: Any

@@ -17,9 +17,10 @@ Tree = dict[str, torch.Tensor]
 def loss_grad(
     ops: Ops, model: FunctionalModel, params: Tree, buffers: Tree, batch: Batch
 ) -> tuple[Tree, torch.Tensor]:
-    """Gradient of the model's mean loss on the batch's real samples, and the loss. In training
-    mode the forward pass updates ``buffers`` (BatchNorm statistics) in place."""
-    return ops.value_and_grad(model.weighted_loss, params, buffers, batch.x, batch.y, batch.w)
+    """Gradient of the model's mean loss on the batch's real samples, and the loss
+    (``ops.loss_grad``): under sample-level DP, DP-SGD's private gradient (docs/privacy.md).
+    In training mode the forward pass updates ``buffers`` (BatchNorm statistics) in place."""
+    return ops.loss_grad(model, params, buffers, batch)
 
 
 def subset_loss_grad(
@@ -30,7 +31,9 @@ def subset_loss_grad(
     buffers: Tree,
     batch: Batch,
 ) -> tuple[Tree, torch.Tensor]:
-    """Gradient with respect to ``params[keys]`` only (the rest held fixed), and the loss."""
+    """Gradient with respect to ``params[keys]`` only (the rest held fixed), and the loss.
+    Through ``ops.value_and_grad``: it has no private version, so under sample-level DP it
+    raises (solvers/ops.py, PrivateOps)."""
     fixed = {k: v for k, v in params.items() if k not in keys}
 
     def loss(trainable: Tree) -> torch.Tensor:
