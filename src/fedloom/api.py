@@ -1,4 +1,4 @@
-"""The Python API (DESIGN.md 3.3): ``fedloom.run(config, data=None, model=None)``."""
+"""The Python API (README.md, "Python API"): ``fedloom.run(config, data=None, model=None)``."""
 
 from __future__ import annotations
 
@@ -64,43 +64,31 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def _vertical(config: Any) -> Any:
-    """A vertical run's config (raw mapping or parsed), or None for a horizontal one."""
+RUN_KINDS = ("horizontal", "rl", "vertical")
+
+
+def run_kind(config: Any) -> str:
+    """The run family of a config (path, mapping or parsed): its top-level ``kind:``
+    (horizontal, rl or vertical). Without one it is inferred here, and only here, from the
+    names a config of that family uses: an RL environment or algorithm, a vertical algorithm
+    or partition (docs/rl.md and docs/vertical.md, "The kind key")."""
+    from fedloom.rl.config import RLRunConfig, is_rl_config
+    from fedloom.vertical.config import VerticalRunConfig, is_vertical_config
+
     if config is None or isinstance(config, RunConfig):
-        return None
-    from fedloom.vertical.config import is_vertical_config
-
+        return "horizontal"
+    if isinstance(config, RLRunConfig | VerticalRunConfig):
+        return config.kind
     raw = load_yaml(config) if isinstance(config, str | Path) else config
-    return raw if is_vertical_config(raw) else None
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    if kind is not None and kind not in RUN_KINDS:
+        raise ConfigError(f"kind: expected one of {', '.join(RUN_KINDS)}, got {kind!r}")
+    if kind is not None:
+        return kind
+    return "rl" if is_rl_config(raw) else "vertical" if is_vertical_config(raw) else "horizontal"
 
 
-def _run_vertical(config: Any, data: Any, out: str | Path | None, write: bool) -> RunResult:
-    """Vertical and transfer FL (docs/vertical.md): its own runner, the same run directory."""
-    from fedloom.vertical.run import run_vertical
-
-    result = run_vertical(config, out=out, write=write, data=data)
-    if result.run_dir is not None:
-        from fedloom.report import write_report
-
-        write_report(result.run_dir.path)
-    return result
-
-
-def _rl(config: Any) -> Any:
-    """An RL run's config (raw mapping or parsed, docs/rl.md), or None."""
-    if config is None or isinstance(config, RunConfig):
-        return None
-    from fedloom.rl.config import is_rl_config
-
-    raw = load_yaml(config) if isinstance(config, str | Path) else config
-    return raw if is_rl_config(raw) else None
-
-
-def _run_rl(config: Any, out: str | Path | None, write: bool, resume: Any) -> RunResult:
-    """Federated reinforcement learning (docs/rl.md): its own runner, the same run directory."""
-    from fedloom.rl.run import run_rl
-
-    result = run_rl(config, out=out, write=write, resume=resume)
+def _with_report(result: RunResult) -> RunResult:
     if result.run_dir is not None:
         from fedloom.report import write_report
 
@@ -130,21 +118,23 @@ def run(
     ``callbacks`` run around the round loop (engine/callbacks.py; ``fedloom tune``'s reporter).
     """
     saved = Path(resume) / "config.yaml" if resume is not None else None
-    rl = _rl(config) if saved is None else _rl(load_yaml(saved)) if saved.is_file() else None
-    if rl is not None:
+    kind = run_kind(config if saved is None else saved if saved.is_file() else None)
+    if kind == "rl":  # federated RL (docs/rl.md)
+        from fedloom.rl.run import run_rl
+
         if data is not None or model is not None:
             raise ConfigError("an RL run takes neither data nor model (docs/rl.md)")
-        return _run_rl(config if resume is not None else rl, out, write, resume)
-    vertical = _vertical(config)
-    if vertical is not None:
-        if resume is not None or model is not None:
-            raise ConfigError("a vertical run takes neither resume nor model (docs/vertical.md)")
-        return _run_vertical(vertical, data, out, write)
+        return _with_report(run_rl(config, out=out, write=write, resume=resume))
+    if kind == "vertical":  # vertical and transfer FL (docs/vertical.md)
+        from fedloom.vertical.run import run_vertical
+
+        if model is not None:
+            raise ConfigError("a vertical run takes no model (docs/vertical.md)")
+        result = run_vertical(config, out=out, write=write, data=data, resume=resume)
+        return _with_report(result)
     run_dir: RunDir | None = None
     if resume is not None:
         run_dir = RunDir.open_existing(resume)
-        if _vertical(load_yaml(run_dir.config_path)) is not None:
-            raise RunDirError(f"{run_dir.path} is a vertical run: those do not resume")
         cfg = _check_resume(run_dir, None if config is None else resolve_config(config))
     else:
         cfg = resolve_defaults(resolve_config(config), custom_data=data is not None)

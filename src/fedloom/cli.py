@@ -1,5 +1,6 @@
-"""The ``fedloom`` command (DESIGN.md 3.2). Exit status: 0 success, 2 bad config or input
-(one message, no traceback unless --debug), 1 anything else."""
+"""The ``fedloom`` command (README.md, "Quick start"; docs/audit.md and docs/serving.md for
+their subcommands). Exit status: 0 success, 2 bad config or input (one message, no traceback
+unless --debug), 1 anything else."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def run(
 ) -> None:
     """Run an experiment and write its run directory (metrics, summary, report, checkpoints)."""
     from fedloom.api import run as run_api
+    from fedloom.api import run_kind
     from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml, parse_config
 
     try:
@@ -67,11 +69,7 @@ def run(
         if config is not None or set_:
             raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
             raw = apply_overrides(raw, set_ or [])
-            from fedloom.rl.config import is_rl_config
-            from fedloom.vertical.config import is_vertical_config
-
-            own_runner = is_vertical_config(raw) or is_rl_config(raw)
-            cfg = raw if own_runner else parse_config(raw)
+            cfg = raw if run_kind(raw) != "horizontal" else parse_config(raw)
         if resume is not None and out is not None:
             raise FedloomInputError(
                 "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
@@ -119,11 +117,21 @@ def run(
 
 @app.command()
 def algorithms() -> None:
-    """List the registered algorithms with their hyperparameters."""
+    """List the registered algorithms with their hyperparameters: the horizontal ones, then
+    the federated RL and vertical ones with their family (``kind:``, docs/rl.md,
+    docs/vertical.md)."""
     from fedloom.algorithms import ALGORITHMS, describe
+    from fedloom.rl.config import RL_ALGORITHM_CONFIGS
+    from fedloom.vertical.config import ALGORITHM_CONFIGS as VERTICAL_CONFIGS
 
     for name in ALGORITHMS:
         typer.echo(describe(ALGORITHMS.get(name)))
+    for kind, configs in (("rl", RL_ALGORITHM_CONFIGS), ("vertical", VERTICAL_CONFIGS)):
+        for name, model in configs.items():
+            doc = (model.__doc__ or "").strip().splitlines()
+            fields = ", ".join(f for f in model.model_fields if f != "name")
+            typer.echo(f"{name} (kind: {kind}): {doc[0] if doc else ''}")
+            typer.echo(f"    keys: {fields}")
 
 
 @app.command()
@@ -156,7 +164,10 @@ def audit(
     ] = None,
     members: Annotated[int, typer.Option(help="members (and non-members) per target")] = 500,
     defences: Annotated[
-        bool, typer.Option(help="also measure seed 004's defences (or, for dlg, noise/pruning)")
+        bool,
+        typer.Option(
+            help="also measure the defences of docs/audit.md (or, for dlg, noise/pruning)"
+        ),
     ] = False,
     debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
 ) -> None:

@@ -1,5 +1,7 @@
 """The round loop: sampling, client work, message transforms, aggregation, evaluation,
-metrics, checkpoints. Algorithms never re-implement any of it (DESIGN.md 2.2)."""
+metrics, checkpoints. Algorithms never re-implement any of it; the evaluation timing,
+resume and summary.json's common keys are the run shell's, shared with the RL and vertical
+runners (engine/shell.py)."""
 
 from __future__ import annotations
 
@@ -42,11 +44,12 @@ from fedloom.engine.nonfinite import screen
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import TrainingClients
 from fedloom.engine.serving import ServingCopies
+from fedloom.engine.shell import base_summary, checkpoint_payload, due
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
 from fedloom.engine.workload import full_budget, straggler_steps
-from fedloom.errors import ConfigError, RoundAborted, RunDirError
+from fedloom.errors import ConfigError, RoundAborted
 from fedloom.models.base import FedModel
 from fedloom.peft import build_peft_algorithm
 from fedloom.privacy import SampleLevelDP
@@ -188,10 +191,7 @@ class Engine:
     def resumed_state(self) -> RunState:
         """The state of the newest good checkpoint; metrics.jsonl rewritten to match it."""
         assert self.run_dir is not None
-        saved = self.run_dir.latest_checkpoint()
-        if saved is None:
-            raise RunDirError(f"{self.run_dir.path} has no checkpoint to resume from")
-        state = RunState.from_checkpoint(saved, self.new_store())
+        state = RunState.from_checkpoint(checkpoint_payload(self.run_dir), self.new_store())
         self.run_dir.rewrite_metrics(state.history)
         if state.executor_choice and hasattr(self.executor, "choice"):
             self.executor.choice = state.executor_choice  # resume on the same executor
@@ -282,7 +282,7 @@ class Engine:
         state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
         state.mechanisms = self.mechanisms.state_dict()
         state.round = round
-        evaluate = round % cfg.eval.every == 0 or round == cfg.train.rounds
+        evaluate = due(round, cfg.eval.every, cfg.train.rounds)
         seconds = time.perf_counter() - tick
         return RoundReport(round, clients, message, tasks, results, up, down, seconds, evaluate)
 
@@ -310,31 +310,32 @@ class Engine:
         return self.mechanisms.round_bytes(up, down)
 
     def summary(self, state: RunState) -> dict[str, Any]:
-        """summary.json (DESIGN.md 3.5) from the state at the end of the run; the callbacks
-        add their parts (cold start, heterogeneity)."""
+        """summary.json (engine/shell.py's common keys, then the horizontal ones) from the
+        state at the end of the run; the callbacks add their parts (cold start,
+        heterogeneity)."""
         cfg, wall = self.config, state.elapsed
         last = state.history[-1] if state.history else {}
         personalized = {k: v for k, v in (last.get("personalized") or {}).items()}
-        summary = {
-            "algorithm": self.algorithm.name,
-            "dataset": self.data.name,
-            "model": cfg.model.name,
-            "num_clients": self.data.num_clients,
-            "rounds": cfg.train.rounds,
-            "seed": cfg.seed,
-            "executor": self.executor.name,
-            "executor_choice": getattr(self.executor, "choice", None) or self.executor.name,
-            "final": {"global": last.get("global"), "personalized": personalized},
-            "communication": {
+        summary = base_summary(
+            algorithm=self.algorithm.name,
+            dataset=self.data.name,
+            num_clients=self.data.num_clients,
+            rounds=cfg.train.rounds,
+            seed=cfg.seed,
+            executor=self.executor.name,
+            final={"global": last.get("global"), "personalized": personalized},
+            communication={
                 "bytes_up": state.bytes_up,
                 "bytes_down": state.bytes_down,
                 "bytes_up_per_round": state.bytes_up / cfg.train.rounds,
                 "bytes_down_per_round": state.bytes_down / cfg.train.rounds,
             },
-            "wall_seconds": wall,
-            "seconds_per_round": wall / cfg.train.rounds,
-            "dropped_nonfinite": state.dropped_nonfinite,
-        }
+            wall_seconds=wall,
+            seconds_per_round=wall / cfg.train.rounds,
+        )
+        summary["model"] = cfg.model.name
+        summary["executor_choice"] = getattr(self.executor, "choice", None) or self.executor.name
+        summary["dropped_nonfinite"] = state.dropped_nonfinite
         if last.get("new_clients"):
             summary["final"]["new_clients"] = last["new_clients"]
         summary.update(self.mechanisms.summary())

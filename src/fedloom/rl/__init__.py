@@ -1,9 +1,9 @@
-"""Federated reinforcement learning (docs/rl.md; issue #18; spec frl.md).
+"""Federated reinforcement learning (docs/rl.md; issue #18).
 
 - horizontal FRL: PAvg, personalized PAvg, QAvg and local baselines on K agents with their own
   environment physics, run as one stacked tensor program (``horizontal``, ``policy_gradient``,
   ``dqn``, ``aggregate``);
-- vertical federated DQN (Zhuo et al. 2019) and the card's baselines (``vertical_dqn``,
+- vertical federated DQN (Zhuo et al. 2019) and the baselines of docs/rl.md (``vertical_dqn``,
   ``vertical_agents``);
 - environments: a torch-batched CartPole equal to Gymnasium's step (``cartpole``) and any
   Gymnasium task through its vector API (``gym_vector``);

@@ -1,4 +1,4 @@
-"""The server step of QAvg and PAvg on stacked agent parameters (spec frl.md 2.1): every E
+"""The server step of QAvg and PAvg on stacked agent parameters (docs/rl.md): every E
 local updates, theta <- aggregate(theta_1..theta_K), broadcast to every agent.
 
 The rule is fedloom's: FedAvg's weighted mean (``fedloom.core.pytree.weighted_average``, the
@@ -37,24 +37,42 @@ def broadcast(global_tree: Tree, stacked: Tree) -> None:
 class PolicyAggregator:
     """Aggregates the averaged keys of the K agents' stacked trees into the global tree."""
 
-    def __init__(self, config: AggregatorConfig, seed: int, weights: Sequence[float]) -> None:
+    def __init__(
+        self,
+        config: AggregatorConfig,
+        seed: int,
+        weights: Sequence[float],
+        per_round: int | None = None,
+    ) -> None:
+        """``per_round``: agents aggregated each round (train.clients_per_round; None: all)."""
         self.config = config
         self.weights = list(weights)
         f = config.f if config.f is not None else 1
-        if config.kind in ("krum", "multi_krum"):  # every agent takes part in every round,
-            rules.check_krum(len(weights), f, config.kind)  # so check the rule's precondition
-        elif config.kind == "bulyan":  # once, here (ConfigError), not every round
-            rules.check_bulyan(len(weights), f)
+        n = per_round or len(weights)  # the same number of agents takes part every round,
+        if config.kind in ("krum", "multi_krum"):  # so check the rule's precondition
+            rules.check_krum(n, f, config.kind)  # once, here (ConfigError), not every round
+        elif config.kind == "bulyan":
+            rules.check_bulyan(n, f)
         self.robust = RobustAggregation(config, seed, f) if config.kind != "mean" else None
 
-    def __call__(self, stacked: Tree, keys: Sequence[str], previous: Tree, round: int) -> Tree:
-        """The new global tree; the previous one when a robust rule's precondition fails."""
+    def __call__(
+        self,
+        stacked: Tree,
+        keys: Sequence[str],
+        previous: Tree,
+        round: int,
+        agents: Sequence[int] | None = None,
+    ) -> Tree:
+        """The new global tree from the ``agents`` (all when None); the previous one when a
+        robust rule's precondition fails."""
         trees = unstack(stacked, keys)
+        picked = range(len(trees)) if agents is None else agents
+        trees, weights = [trees[i] for i in picked], [self.weights[i] for i in picked]
         if self.robust is None:
-            return weighted_average(trees, self.weights)
+            return weighted_average(trees, weights)
         self.robust.start_round(round, {"params": previous})
         try:
-            return self.robust.aggregate(trees, self.weights)
+            return self.robust.aggregate(trees, weights)
         except RoundAborted:
             return {k: v.clone() for k, v in previous.items()}
 

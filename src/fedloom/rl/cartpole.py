@@ -1,4 +1,4 @@
-"""A torch-batched CartPole with per-environment physics (spec frl.md 2.1).
+"""A torch-batched CartPole with per-environment physics (docs/rl.md).
 
 The step is Gymnasium 1.4's ``CartPole-v1`` (``cartpole.py``, Euler integration, Barto, Sutton
 and Anderson 1983's equations as corrected by Florian 2007), written over tensors so that every

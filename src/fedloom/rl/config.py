@@ -136,7 +136,7 @@ class LocalDQNConfig(_DQN):
 
 
 class VerticalDQNConfig(_DQN):
-    """Vertical federated DQN (Zhuo et al. 2019) and the card's baselines (``mode``)."""
+    """Vertical federated DQN (Zhuo et al. 2019) and the baselines of docs/rl.md (``mode``)."""
 
     name: Literal["vertical_dqn"] = "vertical_dqn"
     mode: Literal["vertical", "party_a", "centralized"] = "vertical"
@@ -168,6 +168,19 @@ Algorithm = Annotated[
     Field(discriminator="name"),
 ]
 
+RL_ALGORITHM_CONFIGS: dict[str, type[_Algorithm]] = {
+    c.model_fields["name"].default: c
+    for c in (
+        PAvgConfig,
+        PAvgEmbeddingConfig,
+        LocalConfig,
+        QAvgConfig,
+        LocalDQNConfig,
+        VerticalDQNConfig,
+    )
+}
+"""Each RL algorithm's config class by name (``fedloom algorithms``)."""
+
 DEFAULT_LR = {"reinforce": 0.01, "dqn": 5e-4}
 
 
@@ -177,6 +190,9 @@ class RLTrainConfig(StrictModel):
     """E: local updates between two aggregations."""
     lr: float | None = Field(default=None, gt=0.0)
     """Adam's step size (null: 0.01 for REINFORCE, 5e-4 for DQN)."""
+    clients_per_round: int | None = Field(default=None, ge=1)
+    """Agents whose update the server aggregates each round, sampled without replacement
+    from a seeded stream as horizontal runs do (engine/sampling.py); null: every agent."""
 
 
 class RLEvalConfig(StrictModel):
@@ -187,6 +203,9 @@ class RLEvalConfig(StrictModel):
 
 
 class RLRunConfig(StrictModel):
+    kind: Literal["rl"] = "rl"
+    """The run family (docs/rl.md, "The kind key"); optional here, inferred once by
+    ``fedloom.api.run_kind`` when absent."""
     seed: int = 0
     data: RLDataConfig = RLDataConfig()
     model: RLModelConfig = RLModelConfig()
@@ -208,6 +227,12 @@ class RLRunConfig(StrictModel):
             raise ValueError(
                 f"data.name acrobot (Gymnasium's vector API): algorithm {algo.name} "
                 "needs the batched CartPole; use pavg, pavg_embedding or local"
+            )
+        per_round = self.train.clients_per_round
+        if per_round is not None and (not self.averages or per_round > self.data.num_clients):
+            raise ValueError(
+                f"train.clients_per_round {per_round}: needs an averaging algorithm (pavg, "
+                f"pavg_embedding, qavg) and at most data.num_clients ({self.data.num_clients})"
             )
         if self.aggregator.kind != "mean" and not self.averages:
             raise ValueError(
@@ -242,12 +267,14 @@ class RLRunConfig(StrictModel):
 
 
 def is_rl_config(raw: Any) -> bool:
-    """Whether a raw config (mapping or parsed) asks for an RL run: an RL environment or an
-    RL algorithm."""
+    """Whether a raw config (mapping or parsed) asks for an RL run: ``kind: rl``, or, without a
+    ``kind`` key, an RL environment or an RL algorithm (docs/rl.md, "The kind key")."""
     if isinstance(raw, RLRunConfig):
         return True
     if not isinstance(raw, dict):
         return False
+    if raw.get("kind") is not None:
+        return raw["kind"] == "rl"
     data, algo = raw.get("data"), raw.get("algorithm")
     name = data.get("name") if isinstance(data, dict) else None
     algo_name = algo.get("name") if isinstance(algo, dict) else algo

@@ -1,4 +1,4 @@
-"""DQN (Mnih et al. 2015) for K agents at once, the local update of QAvg (spec frl.md 2.1),
+"""DQN (Mnih et al. 2015) for K agents at once, the local update of QAvg (docs/rl.md),
 and the pieces the vertical federated DQN shares: a stacked replay buffer, the epsilon
 schedule, epsilon-greedy acting and the TD target.
 

@@ -1,5 +1,5 @@
 """Any Gymnasium task with discrete actions through Gymnasium's vector API: the general path
-beside the torch-batched CartPole (spec frl.md 2.1). Shown with ``Acrobot-v1``, each
+beside the torch-batched CartPole (docs/rl.md). Shown with ``Acrobot-v1``, each
 environment with its own ``LINK_MASS_2``.
 
 The environments step one after another inside ``SyncVectorEnv`` (NumPy, per-environment

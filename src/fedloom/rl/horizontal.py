@@ -1,7 +1,7 @@
-"""Horizontal FRL (spec frl.md 2.1; seed 002, HFRL card): K agents, each with its own
+"""Horizontal FRL (Qi et al. 2021, arXiv 2108.11887; docs/rl.md): K agents, each with its own
 environment physics, trained as one stacked tensor program; every E local updates the server
 aggregates their policies (PAvg, personalized PAvg) or Q-networks (QAvg) and broadcasts the
-result. ``local`` and ``local_dqn`` are the same agents without the server (the card's
+result. ``local`` and ``local_dqn`` are the same agents without the server (the
 single-agent baseline).
 
 Communication per round: every agent uploads the averaged tensors and downloads the new global
@@ -16,6 +16,7 @@ import torch
 
 from fedloom.core.pytree import Tree, num_bytes
 from fedloom.core.rng import generator
+from fedloom.engine.sampling import sample_clients
 from fedloom.rl.aggregate import PolicyAggregator, broadcast
 from fedloom.rl.config import PAvgEmbeddingConfig, RLRunConfig
 from fedloom.rl.dqn import DQNTrainer, StackedQ
@@ -36,7 +37,9 @@ class HorizontalAgents:
         self.k, self.n = cfg.data.num_clients, cfg.data.envs_per_client
         self.variants = agent_variants(cfg.data)
         self.env = make_env(cfg.data, self.variants, self.n)
-        self.aggregator = PolicyAggregator(cfg.aggregator, cfg.seed, [float(self.n)] * self.k)
+        self.aggregator = PolicyAggregator(
+            cfg.aggregator, cfg.seed, [float(self.n)] * self.k, cfg.train.clients_per_round
+        )
         self.bytes_up = self.bytes_down = 0
         self.env_steps = 0
 
@@ -59,14 +62,25 @@ class HorizontalAgents:
     def shared_keys(self) -> list[str]:
         return [k for k in self.params if k.startswith(self.prefix)]
 
+    def sampled(self, round: int) -> list[int]:
+        """The agents whose update round ``round`` aggregates: ``train.clients_per_round`` of
+        them from the seeded stream horizontal runs sample with (engine/sampling.py)."""
+        return sample_clients(
+            self.cfg.seed, round, list(range(self.k)), self.cfg.train.clients_per_round
+        )
+
     def server_step(self, round: int) -> None:
-        """Aggregate the shared tensors, broadcast the result, count the traffic."""
-        keys = self.shared_keys()
-        self.global_ = self.aggregator(self.params, keys, self.global_, round)
+        """Aggregate the sampled agents' shared tensors, broadcast the result, count the
+        traffic (the sampled agents' uploads and downloads). The batched environments step
+        every agent; an agent left out of the round has its local work discarded by the
+        broadcast, as a client that was not sampled never did it (docs/rl.md, Client
+        sampling)."""
+        keys, agents = self.shared_keys(), self.sampled(round)
+        self.global_ = self.aggregator(self.params, keys, self.global_, round, agents)
         broadcast(self.global_, self.params)
         size = num_bytes(self.global_)
-        self.bytes_up += self.k * size
-        self.bytes_down += self.k * size
+        self.bytes_up += len(agents) * size
+        self.bytes_down += len(agents) * size
 
     def eval_groups(self) -> tuple[list[int], list[float]]:
         """(agent index, environment) per evaluation group: each agent in its own training

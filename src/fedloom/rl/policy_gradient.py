@@ -1,4 +1,4 @@
-"""REINFORCE with normalized reward-to-go for K agents at once (Williams 1992; spec frl.md
+"""REINFORCE with normalized reward-to-go for K agents at once (Williams 1992; docs/rl.md
 2.1), the local update of PAvg and of its personalized variant.
 
 One iteration: every agent samples one episode in each of its environments with its own policy

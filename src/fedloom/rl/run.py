@@ -1,7 +1,7 @@
 """An RL run from its config (docs/rl.md): the learner, a greedy evaluation every
-``eval.every`` rounds, checkpoints, and the standard run directory (DESIGN.md 3.5:
-``config.yaml``, ``metrics.jsonl``, ``summary.json``, ``checkpoints/``; the API adds
-``report.html``).
+``eval.every`` rounds, checkpoints, and the standard run directory (``config.yaml``,
+``metrics.jsonl``, ``summary.json``, ``checkpoints/``; the API adds ``report.html``), all
+kept by the run shell every run family shares (engine/shell.py, docs/rl.md).
 
 Each metrics row: ``round``, ``train_return`` (mean return of the round's training episodes),
 ``train_loss``, ``returns`` (``{"train": {env: mean greedy return}, "unseen": {...}}``), their
@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.engine.loop import RunResult
-from fedloom.engine.rundir import RunDir, default_run_dir
+from fedloom.engine.shell import RunShell, base_summary
 from fedloom.engine.threads import torch_threads
-from fedloom.errors import RunDirError
 from fedloom.rl.config import RLRunConfig, VerticalDQNConfig, parse_rl_config
 from fedloom.rl.horizontal import PolicyAgents, QAgents
 from fedloom.rl.vertical_agents import VerticalAgents
@@ -30,6 +29,11 @@ def build_learner(cfg: RLRunConfig) -> PolicyAgents | QAgents | VerticalAgents:
     if isinstance(cfg.algorithm, VerticalDQNConfig):
         return VerticalAgents(cfg)
     return PolicyAgents(cfg) if cfg.learner == "reinforce" else QAgents(cfg)
+
+
+def _shell_args(cfg: RLRunConfig) -> dict[str, Any]:
+    """The run shell's timing: rounds, ``eval.every`` and the ``checkpoint:`` section."""
+    return {"rounds": cfg.train.rounds, "eval_every": cfg.eval.every, "checkpoint": cfg.checkpoint}
 
 
 def _mean(values: dict[str, float]) -> float | None:
@@ -74,59 +78,25 @@ def _run(
     resume: str | Path | None,
     on_round: Callable[[int], None] | None,
 ) -> RunResult:
-    run_dir: RunDir | None = None
-    if resume is not None:
-        run_dir = RunDir.open_existing(resume)
-        cfg = parse_rl_config(run_dir.config_path)
-        if config is not None and parse_rl_config(config).to_dict() != cfg.to_dict():
-            raise RunDirError(
-                f"cannot resume {run_dir.path}: its config.yaml differs from the "
-                "given config; resume without a config, or start a new run"
-            )
-    else:
-        cfg = parse_rl_config(config)
-        if write:
-            run_dir = RunDir.create(out or default_run_dir(cfg.algorithm.name, cfg.data.name))
-            run_dir.write_config(cfg.to_yaml())
+    shell, cfg, saved = RunShell.open(config, parse_rl_config, _shell_args, out, write, resume)
     learner = build_learner(cfg)
-    history: list[dict[str, Any]] = []
-    start_round, wall_before = 0, 0.0
-    if run_dir is not None and resume is not None:
-        saved = run_dir.latest_checkpoint()
-        if saved is not None:
-            learner.load_state_dict(saved["learner"])
-            start_round, wall_before = int(saved["round"]), float(saved["wall_seconds"])
-            history = list(saved["history"])
-        run_dir.rewrite_metrics(history)
-    rounds, every = cfg.train.rounds, cfg.eval.every
-    start = time.perf_counter() - wall_before
+    if saved is not None:
+        learner.load_state_dict(saved)
     eval_seconds = 0.0
-    for r in range(start_round, rounds):
+    for r in range(shell.start_round, cfg.train.rounds):
         stats = learner.train_round(r)
         done = r + 1
-        if done % every == 0 or done == rounds:
+        if shell.evaluates(done):
             t = time.perf_counter()
             returns = learner.evaluate()
             eval_seconds += time.perf_counter() - t
-            row = _row(done, stats, returns, learner, time.perf_counter() - start)
-            history.append(row)
-            if run_dir is not None:
-                run_dir.append_metrics(row)
-        ck = cfg.checkpoint.every
-        if run_dir is not None and ck is not None and (done % ck == 0 or done == rounds):
-            payload = {
-                "round": done,
-                "learner": learner.state_dict(),
-                "history": history,
-                "wall_seconds": time.perf_counter() - start,
-            }
-            run_dir.save_checkpoint(done, payload, cfg.checkpoint.keep)
+            shell.record(_row(done, stats, returns, learner, shell.elapsed))
+        shell.checkpoint(done, learner.state_dict)
         if on_round is not None:
             on_round(done)
-    wall = time.perf_counter() - start
-    summary = _summary(cfg, learner, history[-1], wall, eval_seconds)
-    if run_dir is not None:
-        run_dir.write_json("summary.json", summary)
+    summary = _summary(cfg, learner, shell.history[-1], shell.elapsed, eval_seconds)
+    shell.finish(summary)
+    run_dir, history = shell.run_dir, shell.history
     glob, clients = learner.deployed()
     return RunResult(summary, history, glob, clients, run_dir, extras={"learner": learner})
 
@@ -158,14 +128,14 @@ def _summary(cfg: RLRunConfig, learner: Any, last: dict, wall: float, eval_s: fl
                 "party_b": {"sent": learner.bytes_up, "received": learner.bytes_down},
             },
         }
-    return {
-        "algorithm": algo.name,
-        "dataset": cfg.data.name,
-        "num_clients": 2 if isinstance(algo, VerticalDQNConfig) else cfg.data.num_clients,
-        "rounds": cfg.train.rounds,
-        "seed": cfg.seed,
-        "executor": "batched",
-        "final": {
+    summary = base_summary(
+        algorithm=algo.name,
+        dataset=cfg.data.name,
+        num_clients=2 if isinstance(algo, VerticalDQNConfig) else cfg.data.num_clients,
+        rounds=cfg.train.rounds,
+        seed=cfg.seed,
+        executor="batched",
+        final={
             "global": (
                 {
                     "return_train_mean": last["return_train_mean"],
@@ -183,8 +153,8 @@ def _summary(cfg: RLRunConfig, learner: Any, last: dict, wall: float, eval_s: fl
             "return_unseen_mean": last["return_unseen_mean"],
             "return_mean": last["return_mean"],
         },
-        "communication": last["communication"],
-        "wall_seconds": wall,
-        "seconds_per_round": wall / cfg.train.rounds,
-        "rl": extra,
-    }
+        communication=last["communication"],
+        wall_seconds=wall,
+        seconds_per_round=wall / cfg.train.rounds,
+    )
+    return {**summary, "rl": extra}

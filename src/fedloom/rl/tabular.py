@@ -1,5 +1,5 @@
 """Tabular QAvg and its value-iteration oracle (Jin et al., AISTATS 2022, arXiv 2204.02634;
-spec frl.md 2.1).
+docs/rl.md).
 
 K agents share states, actions and rewards but not transitions: P_k [S, A, S']. The Bellman
 operator of agent k is (T_k Q)(s, a) = r(s, a) + gamma sum_s' P_k(s' | s, a) max_a' Q(s', a').

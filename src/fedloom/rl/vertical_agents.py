@@ -1,4 +1,4 @@
-"""The vertical federated DQN run (spec frl.md 2.2) and the card's baselines, driven by the
+"""The vertical federated DQN run (docs/rl.md) and its baselines, driven by the
 shared DQN loop: ``mode: vertical`` (:class:`~fedloom.rl.vertical_dqn.VerticalQ`),
 ``party_a`` (the Q-party alone on its own features) and ``centralized`` (one DQN on the full
 state, the same depth and widths with a dense first layer). One environment stream of

@@ -1,5 +1,5 @@
-"""Vertical federated DQN (Zhuo et al. 2019, arXiv 1901.08277; seed 002, 纵向联邦DQN card;
-spec frl.md 2.2).
+"""Vertical federated DQN (Zhuo et al. 2019, arXiv 1901.08277;
+docs/rl.md).
 
 One environment, its observation split by features. The Q-party A holds the reward, its own
 features o_A, a bottom network f_A and the top Q-head; collaborator B holds o_B and a bottom

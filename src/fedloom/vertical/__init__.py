@@ -1,4 +1,4 @@
-"""Vertical and transfer federated learning (docs/vertical.md; ``vertical_transfer.md``):
+"""Vertical and transfer federated learning (docs/vertical.md):
 
 - :class:`VerticalLinear`, :class:`VerticalLogistic`: secure vertical linear and logistic
   regression (Yang et al. 2019; Hardy et al. 2017), three-party (coordinator) or two-party;

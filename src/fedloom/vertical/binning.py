@@ -1,5 +1,5 @@
 """Quantile cuts and bins, exactly as XGBoost's ``hist`` booster makes them
-(``vertical_transfer.md`` §2, exactness items 3-4).
+(docs/vertical.md, exactness items 3-4).
 
 Each party sketches its own columns with XGBoost itself
 (``QuantileDMatrix(X_party, max_bin=B).get_quantile_cut()``; the sketch is per column, so a

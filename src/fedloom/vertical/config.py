@@ -29,6 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fedloom.config import CheckpointConfig
 from fedloom.core.validation import format_validation_error
 from fedloom.errors import ConfigError, unknown_name_message
 
@@ -147,11 +148,16 @@ class VerticalEvalConfig(_Strict):
 
 
 class VerticalRunConfig(_Strict):
+    kind: Literal["vertical"] = "vertical"
+    """The run family (docs/vertical.md, "The kind key"); optional here, inferred once by
+    ``fedloom.config.run_kind`` when absent."""
     seed: int = 0
     data: VerticalDataConfig
     algorithm: Any
     secure_aggregation: VerticalSecureConfig = Field(default_factory=VerticalSecureConfig)
     eval: VerticalEvalConfig = Field(default_factory=VerticalEvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Every ``every`` iterations (trees) and after the last; ftl has no saved state yet."""
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -172,6 +178,8 @@ class VerticalRunConfig(_Strict):
                 "{name: ftl, protocol: secret_sharing}, or kind paillier / none"
             )
         if isinstance(algo, FTLConfig):
+            if "every" in self.checkpoint.model_fields_set and self.checkpoint.every:
+                raise ValueError("checkpoint.every: ftl runs do not checkpoint (set it to null)")
             if algo.protocol == "secret_sharing" and kind == "paillier":
                 raise ValueError(
                     "ftl with protocol secret_sharing uses no Paillier key: set "
@@ -224,6 +232,8 @@ def is_vertical_config(raw: Any) -> bool:
         return True
     if not isinstance(raw, dict):
         return False
+    if raw.get("kind") is not None:  # explicit (docs/vertical.md, "The kind key")
+        return raw["kind"] == "vertical"
     algo = raw.get("algorithm")
     name = algo.get("name") if isinstance(algo, dict) else algo
     data = raw.get("data")

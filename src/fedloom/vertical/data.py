@@ -8,7 +8,7 @@ regression), features standardised with a scaler fit on the training rows (issue
 assumed aligned by id already: private set intersection is out of scope.
 
 Federated transfer learning uses a different layout (:func:`transfer_split`): two parties with
-partly overlapping rows (``vertical_transfer.md`` §3, worked example).
+partly overlapping rows (docs/vertical.md, worked example).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The federated transfer learning estimator (Liu et al., arXiv:1812.03337;
-``vertical_transfer.md`` §3): full-batch gradient descent on the Taylor objective of
+docs/vertical.md): full-batch gradient descent on the Taylor objective of
 ``ftl_model``, run by the AHE protocol (``ftl_he``; ``encrypt=False``: the same protocol in the
 clear) or by the secret-sharing protocol (``ftl_ss``).
 """

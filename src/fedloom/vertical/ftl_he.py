@@ -1,5 +1,5 @@
 """Federated transfer learning with additively homomorphic encryption and two key pairs, no
-third party (Liu et al., arXiv:1812.03337, Section 5; ``vertical_transfer.md`` §3, AHE protocol).
+third party (Liu et al., arXiv:1812.03337, Section 5; docs/vertical.md, AHE protocol).
 
 One iteration ([[·]]_A under A's key, [[·]]_B under B's; the public factors 1/N_c, γ/N_AB are
 folded in by whoever encrypts):

@@ -1,5 +1,5 @@
 """Federated transfer learning's model and Taylor objective in the clear (Liu et al.,
-arXiv:1812.03337, Sections 3-4; ``vertical_transfer.md`` §3): the oracle the protocols are
+arXiv:1812.03337, Sections 3-4; docs/vertical.md): the oracle the protocols are
 tested against, and the pieces they share.
 
 Source A holds x^A and labels y ∈ {−1, +1} for its N_A rows; target B holds x^B. The overlap

@@ -1,5 +1,5 @@
 """Federated transfer learning with additive secret sharing and Beaver triples (Liu et al.,
-arXiv:1812.03337, Section 5.2; ``vertical_transfer.md`` §3, secret-sharing variant).
+arXiv:1812.03337, Section 5.2; docs/vertical.md, secret-sharing variant).
 
 Values are fixed-point in Z_{2^64} (f = 20 fractional bits) and additively shared,
 x = ⟨x⟩_0 + ⟨x⟩_1 (party 0 = source A, party 1 = target B); a private input enters as the

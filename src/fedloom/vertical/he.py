@@ -1,5 +1,5 @@
 """Arrays under additively homomorphic encryption, and the plaintext stand-in that lets the
-plaintext path run the very same protocol code (``vertical_transfer.md`` §1, "Encoding and
+plaintext path run the very same protocol code (docs/vertical.md, "Encoding and
 masks").
 
 A protocol holds one :class:`HEBackend` per key it uses: the key owner's backend can decrypt,

@@ -1,5 +1,5 @@
 """SecureBoost's gradient histograms: how the guest's g, h travel to a host, how the host sums
-them per (feature, bucket), and how the sums come back (``vertical_transfer.md`` §2, steps
+them per (feature, bucket), and how the sums come back (docs/vertical.md, steps
 1-4, and SecureBoost+ (a)-(c), Chen et al. 2021, arXiv:2110.10927).
 
 Three encodings, one interface:

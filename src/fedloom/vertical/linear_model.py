@@ -1,4 +1,4 @@
-"""Secure vertical linear and logistic regression (``vertical_transfer.md`` §1): the
+"""Secure vertical linear and logistic regression (docs/vertical.md): the
 three-party protocol with a coordinator (Yang et al. 2019, Table 1), the two-party protocol
 without one (in the spirit of Yang S. et al. 2019, arXiv:1911.09824), and the estimators
 :class:`VerticalLinear` and :class:`VerticalLogistic` (Hardy et al. 2017's Taylor loss).
@@ -192,8 +192,10 @@ class _VerticalGLM:
         parts: Sequence[np.ndarray],
         y: np.ndarray,
         callback: IterationCallback | None = None,
+        resume: dict[str, Any] | None = None,
     ) -> _VerticalGLM:
-        """Train on the parties' blocks (guest first) and the guest's labels."""
+        """Train on the parties' blocks (guest first) and the guest's labels; ``resume``: a
+        :meth:`state_dict` to continue from (the same data and settings)."""
         blocks = check_parts(parts, len(y))
         if len(blocks) != 2:
             raise ValueError(
@@ -229,7 +231,9 @@ class _VerticalGLM:
             a.key, b.key = self._key(channel), self._key(channel)
             self.protocol_ = TwoPartyProtocol(a, b, self.loss)
         self.loss_history_ = []
-        for t in range(self.iterations):
+        if resume is not None:
+            self._load_state_dict(resume)
+        for t in range(len(self.loss_history_), self.iterations):
             channel.round = t
             rows = self._batch(t, n, s)
             if s < n:
@@ -241,6 +245,26 @@ class _VerticalGLM:
             if callback is not None:
                 callback(t, self)
         return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state after the iterations done so far (docs/vertical.md, Checkpoints and
+        resume): the parties' coefficients and last gradients, the loss history and the
+        channel's records. Keys are never saved: a resumed Paillier run generates fresh ones,
+        and its new public-key messages are counted."""
+        return {
+            "loss_history": list(self.loss_history_),
+            "theta": [p.theta.copy() for p in self.parties_],
+            "last_gradient": [p.last_gradient for p in self.parties_],
+            "channel": self.channel_.state_dict(),
+        }
+
+    def _load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.loss_history_ = [float(x) for x in saved["loss_history"]]
+        for party, theta, grad in zip(
+            self.parties_, saved["theta"], saved["last_gradient"], strict=True
+        ):
+            party.theta, party.last_gradient = np.array(theta), grad
+        self.channel_.load_state_dict(saved["channel"])
 
     def _batch(self, t: int, n: int, s: int) -> np.ndarray:
         """Mini-batch t: the guest's epoch-wise permutation (seeded stream), or all rows."""

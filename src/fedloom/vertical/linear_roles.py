@@ -1,4 +1,4 @@
-"""The roles of secure vertical linear and logistic regression (``vertical_transfer.md`` §1;
+"""The roles of secure vertical linear and logistic regression (docs/vertical.md;
 Yang et al. 2019, Table 1; Hardy et al. 2017) and the loss family they share.
 
 Both losses are quadratic in the joint score z_i = u_i^A + u_i^B (u^K = Θ_K·x^K):

@@ -1,4 +1,4 @@
-"""Role objects and the messages between them (``vertical_transfer.md``, Cross-cutting).
+"""Role objects and the messages between them (docs/vertical.md, Cross-cutting).
 
 Every vertical protocol runs in-process as role objects (:class:`Party`) that hold only their
 own data and exchange explicit :class:`Message` objects over one :class:`Channel`. The channel
@@ -83,6 +83,27 @@ class Channel:
             nbytes=sum(payload_nbytes(item) for item in payload),
         )
         return message
+
+    def state_dict(self) -> dict[str, Any]:
+        """The delivery records (never the messages) and the cryptography seconds: what a
+        checkpoint keeps of the channel (docs/vertical.md, Checkpoints and resume)."""
+        return {
+            "deliveries": [
+                [d.round, d.stage, d.sender, d.receiver, d.kind, d.nbytes, sorted(d.payload_types)]
+                for d in self.transcript.deliveries
+            ],
+            "crypto_seconds": self.crypto_seconds,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Put the saved deliveries before those of this session (a resumed session's own
+        setup, such as its fresh public keys, stays counted after them)."""
+        old = [
+            Delivery(r, stage, s, to, kind, int(n), frozenset(types))
+            for r, stage, s, to, kind, n, types in saved["deliveries"]
+        ]
+        self.transcript.deliveries[:0] = old
+        self.crypto_seconds += float(saved["crypto_seconds"])
 
     @contextmanager
     def crypto(self) -> Iterator[None]:

@@ -1,6 +1,7 @@
 """A vertical or transfer run from its config: data, estimator, metrics per iteration (or
-tree), and a normal run directory (DESIGN.md 3.5: ``config.yaml``, ``metrics.jsonl``,
-``summary.json``; the API adds ``report.html``).
+tree), checkpoints, resume, and a normal run directory (``config.yaml``, ``metrics.jsonl``,
+``summary.json``, ``checkpoints/``; the API adds ``report.html``), all kept by the run shell
+every run family shares (engine/shell.py, docs/vertical.md).
 
 Each metrics row: ``round`` (iterations or trees done), ``train_loss`` (the protocol's loss;
 SecureBoost: the training log loss or squared error), ``global`` (test accuracy, AUC and log
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedloom.config import CheckpointConfig
 from fedloom.engine.loop import RunResult
-from fedloom.engine.rundir import RunDir, default_run_dir
+from fedloom.engine.shell import RunShell, base_summary
 from fedloom.vertical.config import (
     FTLConfig,
     SecureBoostConfig,
@@ -60,33 +63,34 @@ def regression_metrics(pred: np.ndarray, y: np.ndarray, scale: tuple[float, floa
 
 
 class _Recorder:
-    """Builds a metrics row after an iteration (or tree) and appends it to the run directory."""
+    """After an iteration (or tree): a metrics row when evaluation is due, a checkpoint of the
+    model when one is due (engine/shell.py)."""
 
-    def __init__(self, cfg: VerticalRunConfig, run_dir: RunDir | None, total: int) -> None:
-        self.cfg, self.run_dir, self.total = cfg, run_dir, total
-        self.history: list[dict[str, Any]] = []
-        self.start = time.perf_counter()
+    def __init__(self, shell: RunShell, on_round: Callable[[int], None] | None) -> None:
+        self.shell, self.on_round = shell, on_round
         self.eval_seconds = 0.0
 
-    def __call__(self, t: int, channel: Channel, train_loss: float, evaluate) -> None:
-        done = t + 1
-        if done % self.cfg.eval.every and done != self.total:
-            return
-        started = time.perf_counter()
-        crypto_before = channel.crypto_seconds
-        metrics = evaluate()
-        self.eval_seconds += time.perf_counter() - started
-        channel.crypto_seconds = crypto_before  # evaluation is not training time
-        row = {
-            "round": done,
-            "train_loss": train_loss,
-            "global": metrics,
-            **traffic(channel),
-            "wall_seconds": time.perf_counter() - self.start - self.eval_seconds,
-        }
-        self.history.append(row)
-        if self.run_dir is not None:
-            self.run_dir.append_metrics(row)
+    def __call__(self, t: int, model: Any, train_loss: float, evaluate) -> None:
+        done, shell, channel = t + 1, self.shell, model.channel_
+        if shell.evaluates(done):
+            started = time.perf_counter()
+            crypto_before = channel.crypto_seconds
+            metrics = evaluate()
+            self.eval_seconds += time.perf_counter() - started
+            channel.crypto_seconds = crypto_before  # evaluation is not training time
+            row = {
+                "round": done,
+                "train_loss": train_loss,
+                "global": metrics,
+                **traffic(channel),
+                "wall_seconds": shell.elapsed - self.eval_seconds,
+            }
+            shell.record(row)
+        shell.checkpoint(
+            done, lambda: {"model": model.state_dict(), "eval_seconds": self.eval_seconds}
+        )
+        if self.on_round is not None:
+            self.on_round(done)
 
 
 def traffic(channel: Channel) -> dict[str, Any]:
@@ -101,20 +105,28 @@ def traffic(channel: Channel) -> dict[str, Any]:
 
 
 def run_vertical(
-    config: Any, *, out: str | Path | None = None, write: bool = True, data: Any = None
+    config: Any = None,
+    *,
+    out: str | Path | None = None,
+    write: bool = True,
+    data: Any = None,
+    resume: str | Path | None = None,
+    on_round: Callable[[int], None] | None = None,
 ) -> RunResult:
-    """Run a vertical config (mapping, path or :class:`VerticalRunConfig`). ``data``: a
+    """Run a vertical config (mapping, path or :class:`VerticalRunConfig`), or continue the
+    run directory ``resume`` from its newest checkpoint. ``data``: a
     :class:`~fedloom.vertical.data.VerticalData` of the user's own arrays instead of the
-    configured dataset (not for ftl)."""
-    cfg = parse_vertical_config(config)
+    configured dataset (not for ftl). ``on_round(r)`` is called after each finished iteration
+    or tree (tests kill a run through it)."""
+    shell, cfg, saved = RunShell.open(
+        config, parse_vertical_config, _shell_args, out, write, resume
+    )
     algo = cfg.algorithm
-    run_dir = None
-    if write:
-        run_dir = RunDir.create(out or default_run_dir(algo.name, cfg.data.name))
-        run_dir.write_config(cfg.to_yaml())
-    start = time.perf_counter()
+    recorder = _Recorder(shell, on_round)
+    if saved is not None:
+        recorder.eval_seconds = float(saved["eval_seconds"])
     if isinstance(algo, FTLConfig):
-        model, recorder, extra = _run_ftl(cfg, algo, run_dir)
+        model, extra = _run_ftl(cfg, algo, recorder)
     else:
         if data is None:
             data = load_vertical(
@@ -124,47 +136,58 @@ def run_vertical(
                 cfg.seed,
                 cfg.data.standardize_target,
             )
-        model, recorder, extra = _run_vertical(cfg, algo, data, run_dir)
-    wall = time.perf_counter() - start
+        model, extra = _run_vertical(cfg, algo, data, recorder, saved and saved["model"])
     channel: Channel = model.channel_
-    last = recorder.history[-1]
+    last = shell.history[-1]
     rounds = algo.n_trees if isinstance(algo, SecureBoostConfig) else algo.iterations
     crypto = last["vertical"]["seconds_encryption"]
     train_wall = last["wall_seconds"]
-    summary = {
-        "algorithm": algo.name,
-        "dataset": cfg.data.name,
-        "num_clients": len(cfg.data.partition.parties),
-        "rounds": rounds,
-        "seed": cfg.seed,
-        "executor": "in_process",
-        "final": {"global": last["global"], "personalized": None},
-        "communication": last["communication"],
-        "wall_seconds": wall,
-        "seconds_per_round": train_wall / rounds,
-        "vertical": {
-            "kind": cfg.secure_aggregation.kind,
-            "protocol": getattr(algo, "protocol", None),
-            "key_bits": cfg.secure_aggregation.key_bits
-            if cfg.secure_aggregation.kind == "paillier"
-            else None,
-            "train_loss": last["train_loss"],
-            "bytes_by_party": last["vertical"]["bytes_by_party"],
-            "prediction_bytes_by_party": channel.bytes_by_party(prediction=True),
-            "seconds_encryption": crypto,
-            "seconds_other": max(0.0, train_wall - crypto),
-            "seconds_evaluation": recorder.eval_seconds,
-            **extra,
-        },
+    summary = base_summary(
+        algorithm=algo.name,
+        dataset=cfg.data.name,
+        num_clients=len(cfg.data.partition.parties),
+        rounds=rounds,
+        seed=cfg.seed,
+        executor="in_process",
+        final={"global": last["global"], "personalized": None},
+        communication=last["communication"],
+        wall_seconds=shell.elapsed,
+        seconds_per_round=train_wall / rounds,
+    )
+    summary["vertical"] = {
+        "kind": cfg.secure_aggregation.kind,
+        "protocol": getattr(algo, "protocol", None),
+        "key_bits": cfg.secure_aggregation.key_bits
+        if cfg.secure_aggregation.kind == "paillier"
+        else None,
+        "train_loss": last["train_loss"],
+        "bytes_by_party": last["vertical"]["bytes_by_party"],
+        "prediction_bytes_by_party": channel.bytes_by_party(prediction=True),
+        "seconds_encryption": crypto,
+        "seconds_other": max(0.0, train_wall - crypto),
+        "seconds_evaluation": recorder.eval_seconds,
+        **extra,
     }
-    if run_dir is not None:
-        run_dir.write_json("summary.json", summary)
-    return RunResult(summary, recorder.history, None, {}, run_dir, extras={"model": model})
+    shell.finish(summary)
+    return RunResult(summary, shell.history, None, {}, shell.run_dir, extras={"model": model})
+
+
+def _shell_args(cfg: VerticalRunConfig) -> dict[str, Any]:
+    """The run shell's timing: iterations (trees), ``eval.every`` and ``checkpoint:`` (none
+    for ftl, whose models have no saved state yet)."""
+    algo = cfg.algorithm
+    rounds = algo.n_trees if isinstance(algo, SecureBoostConfig) else algo.iterations
+    policy = CheckpointConfig(every=None) if isinstance(algo, FTLConfig) else cfg.checkpoint
+    return {"rounds": rounds, "eval_every": cfg.eval.every, "checkpoint": policy}
 
 
 def _run_vertical(
-    cfg: VerticalRunConfig, algo: Any, data: VerticalData, run_dir: RunDir | None
-) -> tuple[Any, _Recorder, dict[str, Any]]:
+    cfg: VerticalRunConfig,
+    algo: Any,
+    data: VerticalData,
+    recorder: _Recorder,
+    saved: dict[str, Any] | None,
+) -> tuple[Any, dict[str, Any]]:
     from fedloom.vertical import SecureBoost, VerticalLinear, VerticalLogistic
 
     sec = cfg.secure_aggregation
@@ -186,7 +209,6 @@ def _run_vertical(
             packing=algo.packing,
             seed=cfg.seed,
         )
-        total = algo.n_trees
     else:
         cls = VerticalLogistic if isinstance(algo, VerticalLogisticConfig) else VerticalLinear
         assert isinstance(algo, VerticalLinearConfig)
@@ -202,8 +224,6 @@ def _run_vertical(
             fit_intercept=algo.fit_intercept,
             seed=cfg.seed,
         )
-        total = algo.iterations
-    recorder = _Recorder(cfg, run_dir, total)
 
     def evaluate() -> dict[str, float]:
         if isinstance(model, SecureBoost):
@@ -221,13 +241,13 @@ def _run_vertical(
             loss = _train_loss(m.train_margin_, data.y_train, binary)
         else:
             loss = m.loss_history_[-1]
-        recorder(t, m.channel_, loss, evaluate)
+        recorder(t, m, loss, evaluate)
 
-    model.fit(data.train_parts, data.y_train, callback=callback)
+    model.fit(data.train_parts, data.y_train, callback=callback, resume=saved)
     extra = {"task": data.task}
     if isinstance(model, SecureBoost):
         extra["leaves_per_tree"] = [t.n_leaves for t in model.trees_]
-    return model, recorder, extra
+    return model, extra
 
 
 def _train_loss(margin: np.ndarray, y: np.ndarray, binary: bool) -> float:
@@ -238,8 +258,8 @@ def _train_loss(margin: np.ndarray, y: np.ndarray, binary: bool) -> float:
 
 
 def _run_ftl(
-    cfg: VerticalRunConfig, algo: FTLConfig, run_dir: RunDir | None
-) -> tuple[Any, _Recorder, dict[str, Any]]:
+    cfg: VerticalRunConfig, algo: FTLConfig, recorder: _Recorder
+) -> tuple[Any, dict[str, Any]]:
     from fedloom.vertical import FederatedTransfer
 
     part = cfg.data.partition
@@ -270,7 +290,6 @@ def _run_ftl(
         leaky_fast=algo.leaky_fast,
         seed=cfg.seed,
     )
-    recorder = _Recorder(cfg, run_dir, algo.iterations)
 
     def evaluate() -> dict[str, float]:
         scores = model.decision_function(td.x_test)
@@ -282,7 +301,7 @@ def _run_ftl(
         td.x_b,
         (td.overlap_a, td.overlap_b),
         td.labelled,
-        callback=lambda t, m: recorder(t, m.channel_, m.loss_history_[-1], evaluate),
+        callback=lambda t, m: recorder(t, m, m.loss_history_[-1], evaluate),
     )
     extra = {"task": "binary", "overlap": len(td.overlap_a), "labelled": len(td.labelled)}
-    return model, recorder, extra
+    return model, extra

@@ -1,4 +1,4 @@
-"""SecureBoost (Cheng et al., arXiv:1901.08755; ``vertical_transfer.md`` §2) with GH packing,
+"""SecureBoost (Cheng et al., arXiv:1901.08755; docs/vertical.md) with GH packing,
 cipher compression and histogram subtraction (SecureBoost+, arXiv:2110.10927). Its plaintext
 path equals XGBoost's ``hist`` booster on the same cuts to float32 rounding (module ``tree``).
 
@@ -15,6 +15,7 @@ Prediction walks each tree at the guest; hosts answer one direction bit per (rec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,8 +73,10 @@ class SecureBoost:
         parts: Sequence[np.ndarray],
         y: np.ndarray,
         callback: Callable[[int, Any], None] | None = None,
+        resume: dict[str, Any] | None = None,
     ) -> SecureBoost:
-        """Train ``n_trees`` trees on the parties' blocks (guest first) and the guest's labels."""
+        """Train ``n_trees`` trees on the parties' blocks (guest first) and the guest's labels;
+        ``resume``: a :meth:`state_dict` to continue from (the same data and settings)."""
         blocks = check_parts(parts, len(y))
         y = np.asarray(y, dtype=np.float64)
         self.channel_ = channel = Channel(keep_messages=self.keep_messages)
@@ -101,12 +104,32 @@ class SecureBoost:
         self.base_margin_ = self.objective.base_margin(self.base_score_)
         self.train_margin_ = np.full(len(y), self.base_margin_, dtype=np.float32)
         self.trees_ = []
-        for t in range(self.n_trees):
+        if resume is not None:
+            self._load_state_dict(resume)
+        for t in range(len(self.trees_), self.n_trees):
             channel.round = t
             self.trees_.append(self._grow(t))
             if callback is not None:
                 callback(t, self)
         return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state after the trees grown so far (docs/vertical.md, Checkpoints and resume):
+        the guest's trees and training margins, each host's lookup table and the channel's
+        records; never a key (a resumed encrypted run generates a fresh one)."""
+        return {
+            "trees": [[dataclasses.asdict(n) for n in t.nodes] for t in self.trees_],
+            "train_margin": self.train_margin_.copy(),
+            "lookups": [[[r, f, thr] for r, (f, thr) in h.lookup.items()] for h in self.hosts_],
+            "channel": self.channel_.state_dict(),
+        }
+
+    def _load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.trees_ = [Tree([Node(**n) for n in nodes]) for nodes in saved["trees"]]
+        self.train_margin_ = np.array(saved["train_margin"], dtype=np.float32)
+        for host, lookup in zip(self.hosts_, saved["lookups"], strict=True):
+            host.lookup = {int(r): (int(f), float(thr)) for r, f, thr in lookup}
+        self.channel_.load_state_dict(saved["channel"])
 
     def _grow(self, t: int) -> Tree:
         guest, hosts, p = self.guest_, self.hosts_, self.params

@@ -1,4 +1,4 @@
-"""SecureBoost's roles (Cheng et al., arXiv:1901.08755, Sections 4-5; ``vertical_transfer.md``
+"""SecureBoost's roles (Cheng et al., arXiv:1901.08755, Sections 4-5; docs/vertical.md
 §2): the guest (active party: labels, its own features, the key pair, the trees) and the hosts
 (passive parties: features, bins, and a lookup table of their own split thresholds).
 

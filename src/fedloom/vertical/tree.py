@@ -1,5 +1,5 @@
 """Gradient-boosted trees the way XGBoost's ``hist`` booster grows them
-(``vertical_transfer.md`` §2, exactness items 1, 2 and 5-8; Chen & Guestrin 2016, eq. 7): the
+(docs/vertical.md, exactness items 1, 2 and 5-8; Chen & Guestrin 2016, eq. 7): the
 objectives' gradients, the split gain, the leaf weight and the candidate scan, shared by
 SecureBoost's plaintext and encrypted paths.
 
