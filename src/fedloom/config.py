@@ -1,4 +1,5 @@
-"""The run configuration (DESIGN.md 3.4): pydantic models, strict keys, errors that name the key.
+"""The run configuration (README.md, "A config"): pydantic models, strict keys, errors that
+name the key.
 
 Every section forbids unknown keys. Algorithm-specific keys sit beside ``algorithm.name`` and
 are validated by that algorithm's own config class when the run config is parsed (the parsed
@@ -99,7 +100,8 @@ class PeftConfig(StrictModel):
     """lora: which factors the server aggregates (a: FedSA-LoRA, b personal; b: A personal;
     both: FedIT; ffa: A frozen, B shared; flora: stacking; fedex: residual)."""
     rank_by_size: bool = False
-    """HetLoRA with the seed's rule r_k = floor(r log(n_k + 1) / log(n_max + 1)) (share both)."""
+    """HetLoRA with fedloom's size rule (docs/peft.md) r_k = floor(r log(n_k + 1) /
+    log(n_max + 1)) (share both)."""
     head: Literal["shared", "personal"] = "shared"
     bottleneck: int = Field(default=16, ge=1)
     prompt_length: int = Field(default=8, ge=0)
@@ -472,7 +474,13 @@ class AggregatorConfig(StrictModel):
     Byzantine-robust rule in its place for every algorithm that aggregates."""
 
     kind: Literal[
-        "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "norm_clip",
+        "mean",
+        "median",
+        "trimmed_mean",
+        "krum",
+        "multi_krum",
+        "bulyan",
+        "norm_clip",
         "feature_aware",
     ] = "mean"
     """feature_aware: the first layer's weight columns averaged over the clients that observed
@@ -528,12 +536,12 @@ class StateConfig(StrictModel):
 
 
 class AlertConfig(StrictModel):
-    """Thresholds of the report's and the dashboard's alert rules (seed 004, 5.2)."""
+    """Thresholds of the report's and the dashboard's alert rules (docs/monitoring.md)."""
 
     loss_patience: int = Field(default=5, ge=2)
     """Evaluations in a row without a new lowest loss (global, else training loss)."""
     p10_min: float | None = Field(default=0.65, ge=0.0, le=1.0)
-    """Personalized accuracy P10 below this (the seed's 'P10 < 0.65'); null: off."""
+    """Personalized accuracy P10 below this (default 0.65); null: off."""
     update_norm_growth: float = Field(default=10.0, gt=1.0)
     """Median update norm above this multiple of its first value (exploding updates)."""
     update_norm_growth_client: float = Field(default=10.0, gt=1.0)
@@ -546,7 +554,7 @@ class AlertConfig(StrictModel):
     """Median update norm below this fraction of its first value (vanishing updates)."""
     zeta_jump: float = Field(default=2.0, gt=0.0)
     """Gradient dissimilarity zeta^2 rising by more than this fraction between evaluations
-    (2.0: the seed's '> 200%')."""
+    (2.0: a jump of more than 200%)."""
     communication_budget_mb: float | None = Field(default=None, gt=0.0)
     """Total MB up + down the run may use; null: no budget."""
     cold_start_steps: int = Field(default=20, ge=0)
@@ -694,7 +702,7 @@ class IncentiveConfig(StrictModel):
 
 
 class ServingConfig(StrictModel):
-    """Deployable copies and routing (seed 004, 5.3; engine/serving.py, serving/,
+    """Deployable copies and routing (docs/serving.md; engine/serving.py, serving/,
     docs/serving.md). Absent or all off: nothing is kept."""
 
     keep_best: bool = False
@@ -1042,6 +1050,10 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a raw mapping into a RunConfig; raise ConfigError naming the key on failure."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    if "kind" in raw:  # the run family (fedloom.api.run_kind): this parser's is horizontal
+        if raw["kind"] != "horizontal":
+            raise ConfigError(f"kind: {raw['kind']!r} is not a horizontal run's config")
+        raw = {k: v for k, v in raw.items() if k != "kind"}
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:

@@ -179,7 +179,7 @@ def pfedmac_stationary_point(data: FederatedData, lam: float) -> torch.Tensor:
     return torch.linalg.solve(lhs, rhs)
 
 
-# -- Ditto and APFL (seed 000, Ditto (8)-(9), APFL (10)-(11)) ------------------------------
+# -- Ditto and APFL (Li et al. 2021; Deng et al. 2020; labels of algorithms/ditto.py, apfl.py) -
 def ditto_personal_optima(
     data: FederatedData, theta: torch.Tensor, mu: float
 ) -> list[torch.Tensor]:
@@ -211,7 +211,7 @@ def apfl_personal_fixed_point(
     return torch.linalg.solve(eye - torch.linalg.matrix_power(m, steps), acc)
 
 
-# -- L2SGD and pFedMe (seed 000, (1) and (3); tests/algorithms/test_l2sgd_pfedme.py) ---------
+# -- L2SGD and pFedMe (Hanzely & Richtarik 2020; Dinh et al. 2020; test_l2sgd_pfedme.py) ------
 def l2sgd_mixed_solution(
     data: FederatedData, lam: float
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""Closed-form checks of the baselines on heterogeneous least-squares clients (seed 002, 一).
+"""Closed-form checks of the baselines on heterogeneous least-squares clients (McMahan et al. 2017;
+Li et al. 2020; Karimireddy et al. 2020; Acar et al. 2021).
 
 Every test here fails if the algorithm deviates from its paper: wrong weights, a missing or
 unsquared proximal term, local steps that do not start from the server model, and so on.

@@ -1,4 +1,5 @@
-"""Ditto (seed 000, Ditto section, (8)-(9)) and APFL (seed 000, APFL section, (10)-(11)).
+"""Ditto (Li et al., ICML 2021, arXiv:2012.04221, Algorithm 1) and APFL (Deng et al., 2020,
+arXiv:2003.13461, Algorithm 1); equation labels as in algorithms/ditto.py and apfl.py.
 
 Closed forms on heterogeneous least-squares clients (sizes 20..180, so sample and uniform
 weights differ), the limiting cases (mu = 0, alpha = 0 or 1), the adaptive mixture weights on

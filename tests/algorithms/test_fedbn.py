@@ -235,7 +235,8 @@ def test_a_model_without_normalization_layers_is_refused():
         fedloom.run({**config(), "model": {"name": "mlp"}}, write=False, progress=False)
 
 
-# Per-client "scanner" shift (the card's 不同扫描仪/传感器): client k sees a * x + b.
+# Per-client "scanner" shift (different scanners or sensors, Li et al., ICLR 2021, FedBN):
+# client k sees a * x + b.
 CONTRAST = [1.0, 0.3, 3.0, 0.6, 2.0, 1.5, 0.4, 5.0]
 OFFSET = [0.0, 0.5, -0.5, 1.0, 0.2, -1.0, 2.0, 0.0]
 

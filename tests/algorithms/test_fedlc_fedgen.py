@@ -1,4 +1,5 @@
-"""FedLC and FedGen (seed 004, second article, section 四 4.1: label distribution shift).
+"""FedLC and FedGen (Zhang et al., ICML 2022, arXiv:2209.00189; Zhu et al., ICML 2021,
+arXiv:2105.10056: label distribution shift).
 
 FedLC: the calibrated loss against a hand computation, tau = 0 is FedAvg bit for bit, the
 calibration favours rare classes. FedGen: the server's generator step lowers the ensemble loss

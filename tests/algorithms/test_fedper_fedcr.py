@@ -1,6 +1,7 @@
-"""FedPer and FedCR (seed 000, FedCR section, (20)-(23)): the body/head split, the bytes, the
-products of Gaussians (21)-(22) against direct density computations, the KL of (23), FedCR's
-reduction to FedPer, and learning on the shared Fashion-MNIST shards setup."""
+"""FedPer and FedCR (Arivazhagan et al., 2019, arXiv:1912.00818; Zhang et al., ICML 2023, FedCR;
+labels of algorithms/fedcr.py): the body/head split, the bytes, the products of Gaussians (21)-(22)
+against direct density computations, the KL of (23), FedCR's reduction to FedPer, and learning on
+the shared Fashion-MNIST shards setup."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""FedProto and FedNTD (seed 004, first article, 三 3.4, function-space regularization): the
-prototype aggregation against class means computed directly, the local objectives against
-hand-written ones, the reductions (lam = 0: local-only training; beta = 0: FedAvg), the bytes,
-resume, and learning on the shared Fashion-MNIST shards setup."""
+"""FedProto and FedNTD (Tan et al., AAAI 2022, arXiv:2105.00243; Lee et al., NeurIPS 2022,
+arXiv:2106.03097: function-space regularization): the prototype aggregation against class means
+computed directly, the local objectives against hand-written ones, the reductions (lam = 0:
+local-only training; beta = 0: FedAvg), the bytes, resume, and learning on the shared Fashion-MNIST
+shards setup."""
 
 from __future__ import annotations
 

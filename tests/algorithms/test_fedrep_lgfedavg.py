@@ -1,7 +1,8 @@
-"""FedRep and LG-FedAvg (seed 004, section 三 3.2): which part of the model is shared and which
-is personal (FedPer alongside), FedRep's two phases against hand-written SGD, the bytes, the
-server's weighted averages, the one-client reduction to FedAvg, kill-and-resume, and learning
-on the shared Fashion-MNIST shards setup."""
+"""FedRep and LG-FedAvg (Collins et al., ICML 2021, arXiv:2102.07078; Liang et al., 2020,
+arXiv:2001.01523): which part of the model is shared and which is personal (FedPer alongside),
+FedRep's two phases against hand-written SGD, the bytes, the server's weighted averages, the
+one-client reduction to FedAvg, kill-and-resume, and learning on the shared Fashion-MNIST shards
+setup."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""L2SGD and pFedMe (seed 000: L2SGD (1)-(2), pFedMe (3)-(7)) on least-squares clients.
+"""L2SGD and pFedMe (Hanzely & Richtarik, 2020, arXiv:2002.05516; Dinh et al., NeurIPS 2020,
+arXiv:2006.08848; labels of algorithms/l2sgd.py and pfedme.py) on least-squares clients.
 
 The clients (``feature_skew: false``, 100 samples) have Hessians with eigenvalues in
 [1.14, 3.46] and local optima 1.2-3.3 apart from the uniform consensus optimum. On them:

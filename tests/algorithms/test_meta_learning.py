@@ -1,8 +1,8 @@
-"""Per-FedAvg and Reptile (seed 004, first article, 2.1-2.2): the meta-gradients of the three
-Per-FedAvg variants against finite differences of the MAML objective and an independent Hessian,
-a client's local steps against a transcription of Algorithm 1, Reptile's reduction to FedAvg and
-its server step, the deployed (adapted) models, and learning on the shared Fashion-MNIST shards
-setup.
+"""Per-FedAvg and Reptile (Fallah et al., NeurIPS 2020, arXiv:2002.07948; Nichol et al., 2018,
+arXiv:1803.02999): the meta-gradients of the three Per-FedAvg variants against finite differences of
+the MAML objective and an independent Hessian, a client's local steps against a transcription of
+Algorithm 1, Reptile's reduction to FedAvg and its server step, the deployed (adapted) models, and
+learning on the shared Fashion-MNIST shards setup.
 
 Neither algorithm keeps client state (their client states are None), so there is no
 kill-and-resume test: a resumed run only needs the server state, which every algorithm's

@@ -1,4 +1,4 @@
-"""pFedHN (arXiv:2103.04628, Algorithm 1; seed 004, second article, section 一): the server step
+"""pFedHN (arXiv:2103.04628, Algorithm 1): the server step
 against the authors' update written with torch.autograd and torch.optim, generated models that
 learn, the new-client embedding fit, the bytes, kill-and-resume, and learning on the shared
 Fashion-MNIST shards setup."""

@@ -1,6 +1,7 @@
-"""pFedMac (seed 000, equations (16)-(18)) and FPFC (seed 000, equation (19)): closed forms on
-least-squares clients, the SCAD prox branch by branch, the ADMM server step against a naive
-full-matrix transcription of the pseudocode, planted clusters, and the shared learning setup.
+"""pFedMac (labels (16)-(18) of algorithms/pfedmac.py) and FPFC (label (19) of algorithms/fpfc.py):
+closed forms on least-squares clients, the SCAD prox branch by branch, the ADMM server step against
+a naive full-matrix transcription of the pseudocode, planted clusters, and the shared learning
+setup.
 
 Measured numbers are in the comments (torch 2.13, CPU, float32 models)."""
 

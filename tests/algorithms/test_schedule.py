@@ -1,5 +1,6 @@
-"""Round schedules of the proximal coefficient (seed 004, 4.3): the formulas, and that FedProx,
-Ditto and pFedMe use in round t exactly the coefficient the schedule gives for t."""
+"""Round schedules of the proximal coefficient (docs/cold_start.md, "Decaying the proximal
+coefficient"): the formulas, and that FedProx, Ditto and pFedMe use in round t exactly the
+coefficient the schedule gives for t."""
 
 from __future__ import annotations
 

@@ -100,7 +100,8 @@ def test_acceptance_4_defence_tradeoff(tradeoff: list[dict[str, Any]]) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="measured: seed 004's noisy proximal term does not lower the loss attack's AUC at "
+    reason="measured: the noisy proximal term of docs/audit.md does not lower the loss attack's "
+    "AUC at "
     "the same mu (20 clients, 3 seeds: xi fresh each step -0.002 to +0.031, xi drawn once "
     "+0.03 to +0.14; benchmarks/mia_defences.py, docs/audit.md)",
 )

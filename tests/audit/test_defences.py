@@ -1,5 +1,5 @@
-"""Seed 004's defences as mechanisms: the calibrated Gaussian mechanism, pinned output noise,
-the noisy proximal gradient, distillation."""
+"""The defences of docs/audit.md as mechanisms: the calibrated Gaussian mechanism, pinned output
+noise, the noisy proximal gradient, distillation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Missing-feature-aware aggregation (seed 004, section 4.2): clients lacking input features
+"""Missing-feature-aware aggregation (docs/missing_features.md): clients lacking input features
 (``data.missing``) and the server's per-column mean over the clients that observed each feature
 (``aggregator.kind: feature_aware``).
 

@@ -1,5 +1,5 @@
 """Same config, same numbers; a run killed after a checkpoint and resumed equals the
-uninterrupted run (DESIGN.md 2.3)."""
+uninterrupted run (README.md, "Executors"; docs/executors.md)."""
 
 from __future__ import annotations
 

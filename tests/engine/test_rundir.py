@@ -1,4 +1,4 @@
-"""The run directory contract (DESIGN.md 3.5) and communication accounting."""
+"""The run directory contract (README.md, "Run directory") and communication accounting."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """APFL: Adaptive Personalized Federated Learning (Deng, Kamani and Mahdavi, 2020,
-arXiv:2003.13461, Algorithm 1); seed 000, APFL section, equations (10)-(11) and its pseudocode.
+arXiv:2003.13461, Section 3 and Algorithm 1). The labels (10) (the bilevel problem) and (11)
+(the personalized model) are this docstring's own.
 
 The bilevel problem (10): client k keeps a local model omega_k and mixture weight alpha_k and
 minimizes h_k(omega_k) = f_k(alpha_k omega_k + (1 - alpha_k) theta*), with theta* the
@@ -23,13 +24,13 @@ Client k, from theta_k <- theta^r (the broadcast), at each local step on minibat
 then uploads theta_k; the server averages theta^{r+1} = sum_S p_k theta_k / sum_S p_k with
 p_k = 1/K (``weighting: uniform``, the pseudocode's plain mean over S) or n_k / n (samples).
 
-The personal step is the seed pseudocode's: grad f_k(omega_bar), the gradient of h_k in
+The personal step uses grad f_k(omega_bar), the gradient of h_k in
 omega_k divided by alpha_k (the chain rule gives alpha_k grad f_k(omega_bar)). Same direction,
 same stationary point (11), step size eta_t / alpha_k; with alpha_k = 1 both are local training.
 With the exact gradient omega_k would learn alpha_k times slower than theta_k, lag behind it,
 and adaptive alpha_k would collapse to 0, where omega_k stops moving: on the shared
 Fashion-MNIST shards setup (10 rounds) the mean alpha_k went from 0.25 to 0.03 and the
-personalized accuracy to 0.41 (FedAvg's 0.40); with the seed's step alpha_k rises to 0.34-1.0
+personalized accuracy to 0.41 (FedAvg's 0.40); with the step used here alpha_k rises to 0.34-1.0
 (the paper's observation: more heterogeneity, larger alpha) and the accuracy to 0.93.
 
 Step size (``lr_schedule``): ``constant`` eta_t = train.lr (the paper's experiments), or

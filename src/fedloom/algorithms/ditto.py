@@ -1,5 +1,6 @@
-"""Ditto (Li et al., ICML 2021, arXiv:2012.04221, Algorithm 1); seed 000, Ditto section,
-equations (8)-(9) and its pseudocode.
+"""Ditto (Li et al., ICML 2021, arXiv:2012.04221, Algorithm 1). The labels
+(8) (the paper's bilevel objective, Section 3) and (9) (the personal update of Algorithm 1) are
+this docstring's own.
 
 The bilevel problem (8): each client k keeps a personal model omega_k that minimizes
 h_k(omega; theta*) = f_k(omega) + mu/2 ||omega - theta*||^2 (mu: the paper's lambda), while
@@ -30,13 +31,14 @@ as the pseudocode initializes all clients at the start, also for one first sampl
 client without a personal step (never sampled, or a held-out new client) deploys the global
 model theta.
 
-``mu_schedule`` decays mu over the rounds (seed 004, 4.2-4.3: strong alignment early, room to
-personalize late; algorithms/schedule.py): round t uses mu_t in (9).
+``mu_schedule`` decays mu over the rounds (strong alignment early, room to personalize late;
+algorithms/schedule.py; docs/cold_start.md, "Decaying the proximal coefficient"): round t uses
+mu_t in (9).
 
 As in the paper's Algorithm 1, which runs s local iterations for both problems, the personal
 problem gets as many steps as the global update completed (so a straggler doing partial work
-does as many fewer); ``personal_steps`` fixes the number instead (``personal_steps: 1`` is the
-seed's reading, one step of (9) per round). :class:`DittoProgram` is the global algorithm's
+does as many fewer); ``personal_steps`` fixes the number instead (``personal_steps: 1``: one
+step of (9) per round). :class:`DittoProgram` is the global algorithm's
 client program (whatever it is: FedAvg's SGD, SCAFFOLD's corrected SGD, APFL's two models)
 with update (9) beside it at each local step, so the vmap backend runs both for whole chunks of
 clients.

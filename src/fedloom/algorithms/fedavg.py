@@ -1,6 +1,6 @@
-"""FedAvg (McMahan et al., AISTATS 2017, arXiv:1602.05629); seed 002, section 一, FedAvg card.
+"""FedAvg (McMahan et al., AISTATS 2017, arXiv:1602.05629, Algorithm 1).
 
-Pseudocode of the card, line by line::
+One round, line by line::
 
     Ct <- sample max(rho*K, 1) clients            # engine (train.clients_per_round)
     wk <- local_train(w, Dk, S, M, eta)            # Algorithm.client_update: local SGD from w

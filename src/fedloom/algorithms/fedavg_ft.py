@@ -1,6 +1,7 @@
 """FedAvg + local fine-tuning: train with FedAvg, and before evaluation each client runs k
 local SGD steps from the global model on its own training data (the simplest personalization
-baseline of seed 004, section 三)."""
+baseline; the "FedAvg + fine-tuning" baseline of Per-FedAvg, Fallah et al., NeurIPS 2020,
+arXiv:2002.07948, and of Ditto, Li et al., ICML 2021, arXiv:2012.04221)."""
 
 from __future__ import annotations
 

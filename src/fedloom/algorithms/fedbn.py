@@ -1,6 +1,6 @@
-"""FedBN (Li et al., ICLR 2021, arXiv:2102.07623); seed 002, section 一, card
-"FedBN｜特征偏移下保留本地BN状态": federated learning on non-IID features via local batch
-normalization.
+"""FedBN (Li et al., ICLR 2021, arXiv:2102.07623, Algorithm 1): federated
+learning on non-IID features via local batch normalization, each client keeping its own BN
+state under feature shift.
 
 What is shared and what is kept (the model's ``norm_keys()`` tell them apart):
 
@@ -12,7 +12,7 @@ What is shared and what is kept (the model's ``norm_keys()`` tell them apart):
   state, initialized from the server's initial model, never uploaded (the upload, hence the
   communication bytes, holds only the shared part) and never aggregated.
 
-One round, per the card::
+One round (the paper's Algorithm 1)::
 
     client k: local SGD from (shared w, own BN_k)     # local_start + the engine's local SGD
               upload the non-BN part, keep new BN_k   # local_finish
@@ -22,8 +22,9 @@ There is no single global model (``has_global_model = False``): client k deploys
 parameters with its own BN state. A client that never trained (a held-out new client,
 ``eval.new_clients``, or one never sampled) has no BN history; it deploys the shared parameters
 with the initial BN affine parameters and running statistics calibrated on its own training
-data (the card: 新客户端还需BN校准), see :mod:`fedloom.solvers.norm_calibration`. The
-sharing pattern itself is :mod:`fedloom.algorithms.partial`, shared with FedPer and FedCR.
+data (a new client needs its BN statistics calibrated first), see
+:mod:`fedloom.solvers.norm_calibration`. The sharing pattern itself is
+:mod:`fedloom.algorithms.partial`, shared with FedPer and FedCR.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """FedCR (Zhang et al., ICML 2023, "FedCR: Personalized Federated Learning Based on Across-Client
-Common Representation with Conditional Mutual Information Regularization"); seed 000, FedCR
-section, equations (20)-(23) and its pseudocode.
+Common Representation with Conditional Mutual Information Regularization", PMLR 202). The
+labels (20) (the objective), (21)-(22) (the local and global class statistics) and (23) (the
+local objective) are this docstring's own.
 
 FedPer's split (:mod:`fedloom.algorithms.fedper`): the body w^f (feature extractor) is shared and
 averaged, the head w^p (a single ``nn.Linear``, the final classifier) stays personal. FedCR makes
@@ -52,8 +53,8 @@ forward pass's mu(x) and sigma^2(x) leave the differentiated function as auxilia
 steps x S x width x d floats per client of a chunk (digits, 2NN, 16 steps of 16: 3 MB).
 
 Local class statistics (21), the geometric-mean product of experts of the N_i^c samples of
-class c seen by the forward passes of the client's last complete local epoch (the seed: "taken
-from the latest forward passes of local training"; the paper's code: the last epoch). With
+class c seen by the forward passes of the client's last complete local epoch (the latest forward
+passes of local training; the paper's code: the last epoch). With
 E = ceil(n_i / B) steps an epoch (B = ``train.batch_size``) and K local steps, that is steps
 (k-1) E .. k E - 1 for k = floor(K / E) full epochs, so every training sample enters exactly
 once; the passes of a trailing partial epoch are left out (the last E steps would span two
@@ -81,8 +82,8 @@ P_t, the default) or n_k / n (``samples``).
 
 ``deterministic: true`` drops the variance branch (Sigma(x) = 0, z = mu) and the class
 statistics: the KL of (23) is then infinite, so beta is 0 (its default there; a beta > 0 with it
-is a config error), and FedCR is FedPer (the seed's remark after (23): beta = 0 and
-Sigma(x) = 0 give FedPer): it runs FedPer's plain SGD program, and a test checks it on every
+is a config error), and FedCR is FedPer (with beta = 0 and Sigma(x) = 0, (23) is
+FedPer's cross-entropy): it runs FedPer's plain SGD program, and a test checks it on every
 client's deployed model.
 
 Communication: down, body + variance branch + every class's (mu^c, diag Sigma^c); up, body +
@@ -94,8 +95,8 @@ The per-sample KL in (23) is the alignment term of (20), I(z; x | y_i) - I_i(z; 
 the intractable global posterior replaced by its PoE estimate (21)-(22).
 
 Where the paper's code differs (haozzh/FedCR, ``distributed_training_utils.py``): its local
-statistics are the plain product of the last epoch's per-sample Gaussians (no 1/N exponent), the
-seed's (21) is the geometric mean, which we follow; mu and sigma come from a dedicated layer of
+statistics are the plain product of the last epoch's per-sample Gaussians (no 1/N exponent), (21)
+here is the geometric mean; mu and sigma come from a dedicated layer of
 2 x dimZ outputs, ours are the head input itself and a d x d branch on it; it clips gradient
 norms at 10 and can smooth the server statistics (``beta2``; 1 = replace, as its FedCR runs use):
 neither is done here.

@@ -1,5 +1,6 @@
-"""FedDyn (Acar et al., ICLR 2021, arXiv:2111.04263); seed 000, FedDyn section, equations
-(12)-(15) and its pseudocode; seed 002, section 一, FedDyn card.
+"""FedDyn (Acar et al., ICLR 2021, arXiv:2111.04263, Section 3 and
+Algorithm 1). The labels (12) (the local problem) and (15) (the update of g_k) are this
+docstring's own.
 
 Client k keeps a local gradient estimate g_k (0 at the start) and, from the server model
 theta, approximately solves the dynamically regularized problem (12)::
@@ -14,9 +15,9 @@ and the server keeps h (0 at the start)::
     h <- h - mu sum_{k in S} p_k (theta_k - theta^t)
     theta^{t+1} <- (sum_S p_k theta_k / sum_S p_k) - h / mu
 
-With ``weighting: uniform`` (p_k = 1/K, the default) these are the seed's and the paper's
-formulas exactly: the card warns that the objective is weighted uniformly over clients and must
-not be silently replaced by sample weights; ``samples`` (p_k = n_k / n) is the documented
+With ``weighting: uniform`` (p_k = 1/K, the default) these are the paper's formulas
+exactly: its objective weights the clients uniformly, which must not be silently replaced by
+sample weights; ``samples`` (p_k = n_k / n) is the documented
 alternative. Invariant: h = sum_k p_k g_k after every round, so at a fixed point
 sum_k p_k grad f_k(theta) = 0, the global stationarity FedAvg lacks.
 """

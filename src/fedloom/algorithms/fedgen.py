@@ -1,6 +1,6 @@
 """FedGen (Zhu, Hong, Zhou, ICML 2021, "Data-Free Knowledge Distillation for Heterogeneous
-Federated Learning", arXiv:2105.10056, Algorithm 1); seed 004, second article, section 四 4.1
-(label distribution shift: "特征生成对齐 (FedGen / FedGH)": the server trains a generator
+Federated Learning", arXiv:2105.10056, Algorithm 1): label distribution shift
+handled by feature-generation alignment (the server trains a generator
 G(z | c) of per-class features and sends it to the clients, whose classifier heads then see
 the classes they lack).
 

@@ -1,6 +1,6 @@
 """FedLC (Zhang, Li, Li, Xu, Wu, Ding, Wu, ICML 2022, "Federated Learning with Label Distribution
-Skew via Logits Calibration", arXiv:2209.00189); seed 004, second article, section 四 4.1
-(label distribution shift: "FedLC (Logit Calibration)").
+Skew via Logits Calibration", arXiv:2209.00189): label distribution shift corrected by logit
+calibration.
 
 FedAvg whose clients minimize a calibrated cross-entropy: before the softmax each logit is
 shifted down by tau n_{k,c}^{-1/4}, where n_{k,c} is client k's number of training samples of
@@ -33,13 +33,13 @@ classes (the paper's pairwise label-margin analysis). One round::
   behaviour. tau = 0 is plain cross-entropy exactly (FedAvg; a test checks it).
 - n_{k,c} counts the client's whole training set (the paper's n_{c,y}), fixed across rounds; a
   straggler simply takes fewer steps (``len(task.plan)``).
-- ``prior_weight`` (default 0, off): the seed writes the calibration as
-  L_cal = -sum_c pi_{k,c} log(p_c / pi_{k,c}) with pi_k the local label prior and p "the global
-  model's predicted distribution". A frozen global model's p would add a constant to the local
+- ``prior_weight`` (default 0, off): an optional prior-calibration term,
+  L_cal = -sum_c pi_{k,c} log(p_c / pi_{k,c}) with pi_k the local label prior and p the global
+  model's predicted distribution. A frozen global model's p would add a constant to the local
   objective and no gradient, so we read p as the mean softmax of the model being trained (which
   starts as the global model) over the minibatch, p_B(w) = 1/|B| sum_i softmax(f(x_i; w)):
-  L_cal = KL(pi_k || p_B(w)) >= 0, with 0 log 0 = 0 for the classes the client lacks. It is the
-  seed's addition, not part of the paper's loss.
+  L_cal = KL(pi_k || p_B(w)) >= 0, with 0 log 0 = 0 for the classes the client lacks. It is
+  fedloom's addition, not part of the paper's loss.
 - p_k: n_k / n (``weighting: samples``, FedAvg's and the paper's, default) or 1/K (``uniform``).
 
 The local step is a client program (:class:`FedLCProgram`, algorithms/objective.py) that the
@@ -77,7 +77,7 @@ class FedLCConfig(AlgorithmConfig):
     prior_weight: float = Field(
         default=0.0,
         ge=0.0,
-        description="weight of the seed's KL(pi_k || mean softmax) prior term (0: off)",
+        description="weight of the optional KL(pi_k || mean softmax) prior term (0: off)",
     )
     min_count: float = Field(
         default=1.0,
@@ -119,7 +119,7 @@ def calibrated_loss(
     w: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FedLC's local loss on a minibatch: CE(logits - tau max(n, min_count)^(-1/4), y), plus
-    ``prior_weight`` times the seed's prior term when it is positive; ``w``: the sample weights
+    ``prior_weight`` times the optional prior term when it is positive; ``w``: the sample weights
     of a padded batch (None: all real)."""
     shift = calibration_shift(counts, tau, min_count).to(logits.dtype)
     loss = weighted_mean(F.cross_entropy(logits - shift, y, reduction="none"), w)

@@ -1,4 +1,4 @@
-"""FedNova (Wang et al., NeurIPS 2020, arXiv:2007.07481); seed 002, section 一, FedNova card.
+"""FedNova (Wang et al., NeurIPS 2020, arXiv:2007.07481).
 
 When clients do different amounts of local work (tau_i steps, or different solvers), FedAvg
 silently optimizes the inconsistent objective sum_i (p_i tau_i / sum_j p_j tau_j) F_i. FedNova

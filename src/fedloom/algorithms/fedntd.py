@@ -1,6 +1,6 @@
 """FedNTD (Lee et al., NeurIPS 2022, "Preservation of the Global Knowledge by Not-True
-Distillation in Federated Learning", arXiv:2106.03097); seed 004, first article, section 三 3.4
-(功能空间正则化: FedNTD).
+Distillation in Federated Learning", arXiv:2106.03097): a regularizer in function
+(output) space rather than parameter space.
 
 FedAvg whose local objective adds a distillation from the global model received this round,
 restricted to the not-true classes (the true class's logit is removed before the softmax), so

@@ -1,7 +1,6 @@
 """FedOpt: adaptive server optimizers (Reddi et al., ICLR 2021, "Adaptive Federated
-Optimization", arXiv:2003.00295, Algorithm 2); seed 002, section 一, card
-"FedOpt｜服务器端自适应优化". FedAvgM (server momentum; Hsu et al., 2019, arXiv:1909.06335) is the
-card's baseline.
+Optimization", arXiv:2003.00295, Algorithm 2): adaptive optimization on the
+server. FedAvgM (server momentum; Hsu et al., 2019, arXiv:1909.06335) is the paper's baseline.
 
 Clients run the engine's local SGD from x_t and upload their model, exactly as in FedAvg. The
 server turns the uploads into a pseudo-gradient and hands it to a server optimizer::

@@ -1,6 +1,6 @@
 """FedPer (Arivazhagan et al., 2019, arXiv:1912.00818): federated learning with personalization
-layers; seed 004, section 3.2 (decoupled models phi_k = [psi, omega_k]); seed 000, FedCR section
-(FedCR with beta = 0 and deterministic features is FedPer).
+layers: decoupled models phi_k = [psi, omega_k] (FedCR, Zhang et al., ICML 2023, with beta = 0
+and deterministic features is FedPer; :mod:`fedloom.algorithms.fedcr`).
 
 The model is split by its own declaration (``FedModel.head_modules``, see
 :mod:`fedloom.models.base`): the head (final classifier, the paper's personalization layers) and
@@ -19,7 +19,7 @@ One round::
     server:   w_B <- sum_k p_k w_k,B / sum_k p_k      # aggregate (body only)
 
 with p_k = n_k / n (``weighting: samples``, the paper's FedAvg-style weights, the default) or
-1/K (``uniform``: the plain mean over reporting clients of FedCR's seed pseudocode).
+1/K (``uniform``: the plain mean over reporting clients, as in FedCR).
 
 There is no global model (``has_global_model = False``): the body alone cannot classify, and an
 average of personal heads trained on different label sets is no principled head. Client k

@@ -1,5 +1,6 @@
 """FedProto (Tan et al., AAAI 2022, "FedProto: Federated Prototype Learning across Heterogeneous
-Clients", arXiv:2105.00243, Algorithm 1); seed 004, first article, section 三 3.4 (功能空间正则化).
+Clients", arXiv:2105.00243, Algorithm 1): a regularizer in function (representation) space
+rather than parameter space.
 
 No model parameters travel. Every client keeps its whole model (client state, initially the
 common initial model); what is shared are class prototypes, the mean representation h(x) (the
@@ -12,14 +13,15 @@ head's input, :func:`fedloom.solvers.objective_sgd.single_head`) of each class. 
                C_k^j = 1/|D_kj| sum_{x in D_kj} h(x)     # after training, eval mode, no grad,
                upload (j, C_k^j, |D_kj|) for the classes j it holds     # on all its train data
     server:    C_bar_j = sum_k |D_kj| C_k^j / sum_k |D_kj|   over the clients reporting j
-               (``weighting: samples``, the paper's eq. (7) weights; ``uniform``: the seed's
+               (``weighting: samples``, the paper's eq. (7) weights; ``uniform``: the plain
                1/K mean over them); a class nobody reported keeps last round's prototype
 
 The penalty is the mean squared error of the paper's code (``nn.MSELoss``, averaged over the
 batch and the D feature dimensions, samples without a prototype counting as 0), so ``lam`` is
 the paper's lambda (its code's ``ld``, 1 by default).
 
-The seed writes a contrastive variant, sum ||f(x) - c_y||^2 - sum_{j != y} ||f(x) - c_j||^2,
+A contrastive variant (fedloom's option, not in the paper),
+sum ||f(x) - c_y||^2 - sum_{j != y} ||f(x) - c_j||^2,
 whose second term is unbounded below (push h(x) to infinity). It is offered in a safe hinge
 form with weight ``repel`` (default 0: the paper's FedProto), with d_j = ||h(x) - c_j||^2 / D::
 

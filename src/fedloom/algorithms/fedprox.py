@@ -1,11 +1,12 @@
-"""FedProx (Li et al., MLSys 2020, arXiv:1812.06127); seed 002, section 一, FedProx card.
+"""FedProx (Li et al., MLSys 2020, arXiv:1812.06127, Section 3, Algorithm 2).
 
 Each client approximately minimizes h_k(w; w_t) = F_k(w) + mu/2 ||w - w_t||^2 with the same
 local SGD as FedAvg; the proximal term adds mu (w - w_t) to every step's gradient. mu = 0 is
 FedAvg exactly. The server aggregates as FedAvg does.
 
-``mu_schedule`` lets mu decay from ``mu`` over the rounds (seed 004, 4.3; algorithms/schedule.py);
-a scheduled mu travels in the round's message (8 bytes), so every executor applies the same one.
+``mu_schedule`` lets mu decay from ``mu`` over the rounds (algorithms/schedule.py;
+docs/cold_start.md); a scheduled mu travels in the round's message (8 bytes), so every executor
+applies the same one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FedRep (Collins, Hassani, Mokhtari, Shakkottai, ICML 2021, "Exploiting Shared Representations
-for Personalized Federated Learning", arXiv:2102.07078, Algorithm 1); seed 004, section 三 3.2
-(decoupled models phi_k = [psi, omega_k]: shared representation psi, personal head omega_k).
+for Personalized Federated Learning", arXiv:2102.07078, Algorithm 1): decoupled models
+phi_k = [psi, omega_k], a shared representation psi and a personal head omega_k.
 
 FedPer's split (:mod:`fedloom.algorithms.fedper`, the model's ``FedModel.head_modules``): the
 body phi (the representation) is shared and averaged by the server, each client's head h_k

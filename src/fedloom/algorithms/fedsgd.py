@@ -1,4 +1,5 @@
-"""FedSGD (McMahan et al., AISTATS 2017); seed 002, section 一, FedSGD card.
+"""FedSGD (McMahan et al., AISTATS 2017, arXiv:1602.05629, Section 2: FedSGD, the C-fraction
+baseline with B = infinity and one local step).
 
 The server sends w_t; each selected client computes the gradient g_k of its loss on ALL its
 local data at w_t and uploads it; the server takes one step w_{t+1} = w_t - eta sum_k (n_k/n)

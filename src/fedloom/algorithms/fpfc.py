@@ -1,6 +1,6 @@
 """FPFC, fusion penalized federated clustering (Yu, Liu, Wang, Sun, "Clustered Federated
-Learning based on Nonconvex Pairwise Fusion", arXiv:2211.04218); seed 000, FPFC section,
-equation (19) and its pseudocode.
+Learning based on Nonconvex Pairwise Fusion", arXiv:2211.04218). The label (19) is
+this docstring's own; the paper's equation numbers are given as "the paper's Eq.".
 
 Problem (19), over the m training clients' models omega_i and the pairwise differences::
 

@@ -1,5 +1,7 @@
-"""L2SGD, loopless local SGD (Hanzely & Richtarik 2020, arXiv:2002.05516); seed 000, L2SGD
-section, equations (1)-(2) and its pseudocode.
+"""L2SGD, loopless local SGD (Hanzely & Richtarik 2020, "Federated Learning of a Mixture
+of Global and Local Models", arXiv:2002.05516: its loopless local gradient descent L2GD,
+Algorithm 1, with stochastic local gradients). The labels (1) (the mixed-model problem) and
+(2) (the unbiased stochastic gradient) are this docstring's own.
 
 The mixed-model problem (1) over the K training clients' personal models theta_k::
 

@@ -1,7 +1,7 @@
 """LG-FedAvg (Liang, Liu, Ziyin, Allen, Auerbach, Brent, Salakhutdinov, Morency, "Think Locally,
 Act Globally: Federated Learning with Local and Global Representations", NeurIPS 2019 FL
-workshop, arXiv:2001.01523, Algorithm 1); seed 004, section 三 3.2, the split
-phi_k = [psi_k, omega]: local representations psi_k, one global head omega.
+workshop, arXiv:2001.01523, Algorithm 1): the split phi_k = [psi_k, omega],
+local representations psi_k, one global head omega.
 
 FedPer's split read the other way round (the model's ``FedModel.head_modules``):
 
@@ -34,8 +34,8 @@ Where the authors' code differs: it starts from a FedAvg-trained model (``--load
 share more than the last layer (``--num_layers_keep``, 3 of the MNIST MLP's layers); here
 training starts from the initial model and the shared part is the model's declared head. It
 also keeps each client's best model over rounds by test accuracy, which is not done here.
-Note that the seed's one-line description of LG-FedAvg (shared low-level features, personal
-high-level semantics) is FedPer's and FedRep's split; the paper's LG-FedAvg is the reverse,
+Note that LG-FedAvg is sometimes summarized as shared low-level features with personal
+high-level semantics; that is FedPer's and FedRep's split; the paper's LG-FedAvg is the reverse,
 implemented here.
 """
 

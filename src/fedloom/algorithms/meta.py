@@ -1,6 +1,7 @@
 """What the meta-learning algorithms (Per-FedAvg, Reptile) share: a client is served the
-meta-learned initialization theta adapted to its own data; seed 004, first article, section 二
-("元学习初始化：寻找'易于微调'的全局起点").
+meta-learned initialization theta adapted to its own data: a global starting point that is
+easy to fine-tune (MAML: Finn, Abbeel, Levine, ICML 2017, arXiv:1703.03400; made federated by
+Per-FedAvg: Fallah, Mokhtari, Ozdaglar, NeurIPS 2020, arXiv:2002.07948).
 
 Both learn a global theta that is not meant to be used as is: every client (a training client
 in the personalized evaluation, or a held-out one) deploys theta after ``adapt_steps`` SGD steps

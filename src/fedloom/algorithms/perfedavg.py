@@ -1,7 +1,7 @@
 """Per-FedAvg (Fallah, Mokhtari, Ozdaglar, NeurIPS 2020, "Personalized Federated Learning with
-Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach", arXiv:2002.07948, Algorithm 1);
-seed 004, first article, sections 2.1 (FedMeta / Per-FedAvg: MAML made federated) and 2.2
-(the first-order approximation).
+Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach", arXiv:2002.07948, Algorithm 1):
+MAML (Finn, Abbeel, Levine, ICML 2017, arXiv:1703.03400) made federated, with the paper's
+first-order (FO) and Hessian-free (HF) approximations of the meta-gradient.
 
 The federated MAML objective: find theta whose one-step adaptation is good on every client,
 
@@ -22,7 +22,7 @@ Algorithm 1, one round::
             (the exact MAML gradient: autograd through the K = inner_steps inner steps on D)
     upload w
     server: w <- (1/|S|) sum_{k in S} w_k              # weighting: uniform (the paper), or
-                                                       # samples (n_k / n, the seed's 2.1)
+                                                       # samples (n_k / n)
 
 H(w; D'') g is computed exactly (reverse-over-reverse autograd: the gradient of
 <grad f(w; D''), g>, one double backward; faster than torch.func's forward-over-reverse

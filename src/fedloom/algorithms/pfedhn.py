@@ -1,7 +1,6 @@
 """pFedHN, personalized federated hypernetworks (Shamsian, Navon, Fetaya, Chechik, "Personalized
-Federated Learning using Hypernetworks", ICML 2021, arXiv:2103.04628, Algorithm 1); seed 004,
-second article, section 一 (phi_k = H(e_k; Theta_h), trained by the chain rule through the
-clients' updates).
+Federated Learning using Hypernetworks", ICML 2021, arXiv:2103.04628, Algorithm 1):
+phi_k = H(e_k; Theta_h), trained by the chain rule through the clients' updates.
 
 The server holds a hypernetwork H(.; Theta_h) and one learned embedding e_k per training
 client; client k's model is generated, theta_k = H(e_k; Theta_h). H is the authors' ``CNNHyper``

@@ -1,6 +1,5 @@
 """pFedMac (Li et al., "Personalized Federated Learning via Maximizing Correlation with Sparse
-and Hierarchical Extensions", arXiv:2107.05330); seed 000, pFedMac section, equations (16)-(18)
-and its pseudocode.
+and Hierarchical Extensions", arXiv:2107.05330). The labels (16)-(18) are this docstring's own.
 
 Problem (16), with the global model theta and client k's personalized model omega_k::
 
@@ -39,7 +38,7 @@ the mean uniform over the reporting clients (``weighting: uniform``, the pseudoc
 or weighted by sample counts (``samples``).
 
 Three tiers (clients -> hubs -> server): ``hubs: [h_0, h_1, ...]`` maps every client to a hub
-(the seed's sub-centres, the paper's edge servers), or ``num_hubs: H`` assigns them
+(the paper's edge servers), or ``num_hubs: H`` assigns them
 round-robin (client k -> hub k mod H) or by a draw seeded with the run's seed. Each hub averages
 its reporting clients' uploads (same weights as above); the server then averages the hubs'
 models, each hub weighted by ``hub_weighting``: ``members`` (default: the number of clients

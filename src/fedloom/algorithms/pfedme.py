@@ -1,5 +1,5 @@
-"""pFedMe (Dinh, Tran & Nguyen, NeurIPS 2020, arXiv:2006.08848); seed 000, pFedMe section,
-equations (3)-(7) and its pseudocode.
+"""pFedMe (Dinh, Tran & Nguyen, NeurIPS 2020, arXiv:2006.08848, Section 3 and
+Algorithm 1). The labels (3)-(7) are this docstring's own.
 
 The weak-consensus problem (3), sum_k {f_k(theta_k) + lam/2 ||theta_k - theta||^2}, is solved as
 the bi-level problem (4): the global model theta minimizes the mean of the Moreau envelopes
@@ -28,7 +28,7 @@ here only the sampled clients train (identical without ``train.clients_per_round
 client that has not trained yet deploys the global model. The authors' personal optimizer adds
 a weight decay 0.001 theta_k to each inner step, which is not in the paper and not here.
 
-``lam_schedule`` decays lam over the rounds (seed 004, 4.3; algorithms/schedule.py): round t
+``lam_schedule`` decays lam over the rounds (algorithms/schedule.py; docs/cold_start.md): round t
 uses lam_t both in the prox problem and in omega's step (6).
 """
 

@@ -1,7 +1,7 @@
 """FedReptile: Reptile (Nichol, Achiam, Schulman, 2018, "On First-Order Meta-Learning
-Algorithms", arXiv:1803.02999) made federated; seed 004, first article, section 2.2 (FOMAML and
-Reptile: "客户端从 theta 起步训练 T 步得到 phi_k，服务器更新 theta <- theta + epsilon 1/K sum_k
-(phi_k - theta)").
+Algorithms", arXiv:1803.02999) made federated (Algorithm 2 of
+the paper, its batched Reptile, with the K tasks read as the clients): each client trains T steps
+from theta to phi_k, and the server updates theta <- theta + epsilon 1/K sum_k (phi_k - theta).
 
 One round::
 
@@ -10,7 +10,7 @@ One round::
                                                              # (vectorized; stragglers: fewer)
     upload phi_k
     server: theta <- theta + epsilon sum_{k in S} p_k (phi_k - theta)
-            p_k = 1/|S| (weighting: uniform, the seed's 1/K) or n_k / sum_S n_j (samples)
+            p_k = 1/|S| (weighting: uniform, Reptile's 1/K) or n_k / sum_S n_j (samples)
 
 The server step is FedAvgM's with momentum 0 and server_lr = epsilon (the shared
 :class:`fedloom.algorithms.fedopt.ServerOptimizer`: Delta = ctx.aggregate({phi_k}) - theta, so a
@@ -40,7 +40,7 @@ class ReptileConfig(AlgorithmConfig):
     epsilon: float = Field(
         default=1.0, gt=0.0, description="outer step epsilon: theta += epsilon mean(phi - theta)"
     )
-    weighting: Weighting = weighting_field("uniform", "server mean over S (seed: uniform 1/K)")
+    weighting: Weighting = weighting_field("uniform", "server mean over S (Reptile: uniform 1/K)")
     adapt_steps: int = adapt_steps_field()
 
     @property

@@ -1,5 +1,4 @@
-"""SCAFFOLD (Karimireddy et al., ICML 2020, arXiv:1910.06378, Algorithm 1); seed 002, section 一,
-SCAFFOLD card.
+"""SCAFFOLD (Karimireddy et al., ICML 2020, arXiv:1910.06378, Algorithm 1).
 
 Control variates correct client drift. The server holds the model x and the control c; client
 i holds its control c_i across rounds (its persistent state). Each round::

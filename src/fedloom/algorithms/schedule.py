@@ -1,9 +1,10 @@
 """Round schedules of a proximal coefficient (FedProx's and Ditto's mu, pFedMe's lambda).
 
-Seed 004, first article, 4.2-4.3: "mu 可随通信轮次衰减（早期强约束稳定训练，后期弱约束充分个性化）",
-with the linear decay mu_t = mu_max (1 - t/T) + mu_min t/T or a cosine annealing between
-mu_max ~ 1.0 and mu_min ~ 0.01. With s = (t - 1) / (T - 1) for round t = 1..T (so round 1
-uses mu_max and round T uses mu_min exactly)::
+A fedloom design rule (docs/cold_start.md, "Decaying the proximal coefficient"): mu may decay
+over the communication rounds (strong alignment early stabilizes training, weak alignment late
+leaves room to personalize), with the linear decay mu_t = mu_max (1 - t/T) + mu_min t/T or a
+cosine annealing between mu_max ~ 1.0 and mu_min ~ 0.01. With s = (t - 1) / (T - 1) for round t =
+1..T (so round 1 uses mu_max and round T uses mu_min exactly)::
 
     constant:  mu_t = mu_max
     linear:    mu_t = mu_max (1 - s) + mu_min s
@@ -43,4 +44,6 @@ class Schedule(BaseModel):
 
 def schedule_field(what: str) -> Schedule:
     """The ``*_schedule`` hyperparameter (default: constant)."""
-    return Field(default=Schedule(), description=f"decay of {what} over rounds (seed 004, 4.3)")
+    return Field(
+        default=Schedule(), description=f"decay of {what} over rounds (docs/cold_start.md)"
+    )

@@ -1,8 +1,8 @@
 """Privacy audits of finished runs (issue #15; docs/audit.md): membership inference (the
 loss-threshold attack of Yeom et al. 2018 and the shadow-model attack of Shokri et al. 2017)
 on the global model and each client's deployed model, gradient inversion (DLG, iDLG, the
-analytic first-layer recovery) against one client's minibatch gradient, and seed 004's
-defences with their cost.
+analytic first-layer recovery) against one client's minibatch gradient, and three
+defences of personalized models with their cost (docs/audit.md, "The three defences").
 
 The package is also the API function: ``fedloom.audit(run_dir, attack="loss", out=None,
 ...)`` calls :func:`fedloom.audit.auditor.audit` (a callable module, so that

@@ -1,5 +1,6 @@
-"""Seed 004's three defences of personalized models against membership inference (section
-4.3), each as something the audit can measure, with an honest label of what it guarantees.
+"""Three defences of personalized models against membership inference (docs/audit.md, "The
+three defences and their honesty labels"), each as something the audit can measure, with an
+honest label of what it guarantees.
 
 1. Noisy proximal regularizer ("DP regularization"): the personal objective
    f_k(phi) + mu/2 ||phi - w + xi||^2 with xi ~ N(0, sigma^2 I). Drawn afresh at each step,

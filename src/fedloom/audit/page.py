@@ -274,7 +274,7 @@ def _defence_table(study: dict[str, Any]) -> str:
     rows = [_row([r.get(k) for k in DEFENCE_COLUMNS], numeric_from=3) for r in study["rows"]]
     s = study["setup"]
     return (
-        '<section class="panel wide block"><h2>Defence trade-off (seed 004, 4.3)</h2>'
+        '<section class="panel wide block"><h2>Defence trade-off (docs/audit.md)</h2>'
         f'<p class="caption">Personal models phi_k trained from the global model w on '
         f"f_k + mu/2 ||phi - w||^2 (mu {s['mu']:g}, {s['epochs']} epochs, lr {s['lr']:g}); "
         "each defence against them: loss-threshold attack AUC and accuracy on each client's "

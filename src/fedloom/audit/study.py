@@ -1,6 +1,6 @@
 """The defence trade-off study (spec 4.4, test 4; the report's table): membership-inference AUC
-against accuracy for personal models without a defence and under each of seed 004's defences
-(audit/defences.py).
+against accuracy for personal models without a defence and under each of the three defences
+(audit/defences.py; docs/audit.md, "The three defences and their honesty labels").
 
 Every client k gets a personal model phi_k = argmin f_k(phi) + mu/2 ||phi - w||^2 from the
 global model w (Ditto's objective (9), solved from w by SGD: :func:`personalize`); that is the
@@ -42,7 +42,7 @@ class StudySetup:
     prox_sigmas: tuple[float, ...] = (0.3, 1.0)
     """sigma of the noisy proximal term's xi."""
     prox_draws: tuple[str, ...] = ("step",)
-    """'step': xi drawn afresh each step (seed 004's reading); 'once': one draw for the whole
+    """'step': xi drawn afresh each step (the default); 'once': one draw for the whole
     training (the objective-perturbation form, still heuristic for a neural network)."""
     distill_epochs: int = 10
     public_size: int = 1000

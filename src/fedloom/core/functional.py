@@ -22,7 +22,7 @@ class FunctionalModel:
 
     ``params`` are the trainable tensors, ``buffers`` the rest of the state (BatchNorm's
     running statistics). The loss is cross-entropy for classification and the mean squared
-    error (mean over samples, no 1/2 factor) for regression, as DESIGN.md 3.3 fixes.
+    error (mean over samples, no 1/2 factor) for regression, as README.md ("Python API") fixes.
     """
 
     def __init__(self, module: FedModel, task: str) -> None:

@@ -95,7 +95,8 @@ def from_arrays(
 ) -> FederatedData:
     """Bring your own data: one ``(features, targets)`` pair per client.
 
-    Integer targets mean classification, floating-point targets regression (DESIGN.md 3.3).
+    Integer targets mean classification, floating-point targets regression (README.md, "Python
+    API").
     Without ``test``, each client's pairs are shuffled (seeded) and ``test_fraction`` of them
     held out.
     """

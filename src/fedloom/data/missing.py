@@ -1,5 +1,6 @@
-"""Clients whose inputs lack some features (``data.missing``; seed 004, section 4.2:
-"横向联邦假设特征空间完全重叠往往不成立": bank A records credit-card bills, bank B does not).
+"""Clients whose inputs lack some features (``data.missing``; docs/missing_features.md:
+horizontal FL's assumption that all clients share the whole feature space often fails, e.g.
+bank A records credit-card bills, bank B does not).
 
 A share ``clients`` of the clients, drawn from the stream (seed, ``data/missing``), each lack
 a share ``fraction`` of the input features, in all of their data (train and held-out):

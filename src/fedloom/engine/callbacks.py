@@ -148,7 +148,7 @@ class Evaluation(Callback):
 
 
 class HealthMonitor(Callback):
-    """Training health (seed 004, 5.2; engine/monitoring.py): the clients' label KL and
+    """Training health (docs/monitoring.md; engine/monitoring.py): the clients' label KL and
     feature JS once (heterogeneity.json), and on evaluated rounds the update statistics and
     the gradient dissimilarity zeta^2 of the global model."""
 

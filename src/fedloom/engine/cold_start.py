@@ -1,11 +1,11 @@
 """The cold-start evaluation: how well each algorithm serves a client that never trained.
 
-Seed 004, first article, 4.2 ("新客户端/冷启动：直接使用 theta 或微调 1-5 步") and 5.4 (适配效率:
-the fine-tuning steps a new client needs). The ``eval.new_clients`` held-out clients never take
-part in training. At the end of the run each one is served the algorithm's way
-(``Algorithm.new_client_model``: the global model, a meta-learned initialization, the shared
-body with a fresh head, a hypernetwork's model from a fitted embedding) and then fine-tunes it
-on its own training data::
+docs/cold_start.md: a new client uses theta directly or fine-tunes it for 1-5 steps, and the
+adaptation efficiency is the number of fine-tuning steps a new client needs. The
+``eval.new_clients`` held-out clients never take part in training. At the end of the run each one is
+served the algorithm's way (``Algorithm.new_client_model``: the global model, a meta-learned
+initialization, the shared body with a fresh head, a hypernetwork's model from a fitted embedding)
+and then fine-tunes it on its own training data::
 
     w_0 = new_client_model(server, client)
     w_s = w_{s-1} - lr grad F_k(w_{s-1}; B_s)      s = 1..max(steps), on adaptation_keys only

@@ -9,7 +9,7 @@ step would build from coalition S (v(empty): the model before the round). The es
 coalition models are evaluated on the held-out validation split (data/validation.py), many
 at once under ``vmap`` when the estimator knows its coalitions up front (exact, LOO).
 
-Incentives: after every round, FLI and the seed's baselines pay the same budget to the round's
+Incentives: after every round, FLI and its baselines pay the same budget to the round's
 participants (incentives/book.py), each participant's cost from the declared cost model
 (samples it processed, bytes it uploaded; incentives/costs.py). The book's state rides in
 ``RunState.mechanisms['incentives']``, so checkpoints carry the queues and a resumed run pays

@@ -54,9 +54,7 @@ def evaluate_pooled(
                     correct.index_add_(0, owner[rows], hits)
     finally:
         model.module.train()
-    return [
-        EvalCounts(float(loss[i]), float(correct[i]), n) for i, n in enumerate(sizes)
-    ]
+    return [EvalCounts(float(loss[i]), float(correct[i]), n) for i, n in enumerate(sizes)]
 
 
 def evaluate_stacked(

@@ -1,6 +1,5 @@
-"""Training-health measurements for the report and the dashboard (seed 004, second article,
-5.2, the monitoring table: convergence health, personalization effect, heterogeneity,
-resources).
+"""Training-health measurements for the report and the dashboard (docs/monitoring.md: convergence
+health, personalization effect, heterogeneity, resources).
 
 Per evaluated round (``eval.every``, so the cost is paid only when metrics are written), from
 the round's reporting clients and the server's model:
@@ -8,12 +7,14 @@ the round's reporting clients and the server's model:
 - update norms ||Delta_k|| of the clients' round updates (Delta_k: what the client's round
   moved, ``Algorithm.client_delta``) as min / P10 / P50 / P90 / max / mean, and per client;
 - the pairwise cosine similarity matrix cos(Delta_i, Delta_j) of up to ``monitor.clients``
-  reporting clients (the seed's 参数余弦相似度矩阵热力图);
-- the gradient dissimilarity (seed 004, 3.1)::
+  reporting clients (shown as a heatmap in the report);
+- the gradient dissimilarity (the global variance sigma_g^2 of Reddi et al., ICLR 2021,
+  arXiv:2003.00295, Assumption 3; the zeta^2 of Koloskova et al., ICML 2020, arXiv:2003.10422)::
 
       zeta^2 = 1/K sum_k || grad F_k(w) - grad F(w) ||^2,   grad F(w) = sum_k n_k/n grad F_k(w)
 
-  at the current global model w (the seed defines it at w*, unknown during training), with
+  at the current global model w (convergence bounds often take it at the optimum w*, unknown
+  during training), with
   full-data gradients on a fixed sample of up to ``monitor.clients`` training clients.
 
 Once per run, from the partition (heterogeneity of the data itself):

@@ -1,5 +1,6 @@
-"""The run directory (DESIGN.md 3.5): config.yaml, metrics.jsonl, summary.json, report.html,
-label_histogram.json and checkpoints/. A run never writes into another run's directory."""
+"""The run directory (README.md, "Run directory"): config.yaml, metrics.jsonl, summary.json,
+report.html, label_histogram.json and checkpoints/. A run never writes into another run's
+directory."""
 
 from __future__ import annotations
 

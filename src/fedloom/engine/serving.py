@@ -1,7 +1,7 @@
-"""Deployable copies kept while a run trains (seed 004, 5.3: 验证集最优检查点与 EMA 平滑模型双副本;
-docs/serving.md): the global model of the round with the best validation metric, each
-client's best deployed model when clients deploy models of their own, and an exponential
-moving average (EMA) of the global model.
+"""Deployable copies kept while a run trains (two copies: the best-on-validation checkpoint and
+an EMA-smoothed model; docs/serving.md): the global model of the round with the best validation
+metric, each client's best deployed model when clients deploy models of their own, and an
+exponential moving average (EMA) of the global model.
 
 The EMA starts at zero and is debiased as Adam's moments are (Kingma & Ba, ICLR 2015, Sec. 3):
 after t rounds, ``ema_t = d ema_{t-1} + (1 - d) w_t`` and the copy served is

@@ -1,5 +1,6 @@
-"""The seed's baselines for FLI (seed 002, FLI card, 实验基线: equal split, by sample count,
-Shapley approximation, cost only), as weights on the same budget B(t) (spec 3.1). They
+"""The baselines FLI is compared with (equal split, by sample count, Shapley approximation,
+cost only), as weights on the same budget B(t) (docs/incentives.md, "Incentives: FLI and the
+baselines"). They
 ignore the queues; :func:`fedloom.incentives.fli.pay_round` still keeps each baseline's
 regret and waiting queues, so the fairness metrics compare like with like."""
 

@@ -1,7 +1,7 @@
-"""A run's payments: FLI and the seed's baselines side by side on the same budget B(t) each
+"""A run's payments: FLI and its baselines side by side on the same budget B(t) each
 round, one :class:`~fedloom.incentives.fli.Ledger` per scheme, and the fairness metrics of
-each (spec 3.1). Pure bookkeeping: the engine (engine/contribution.py) feeds it each round's
-participants, costs, contributions and sample counts, and checkpoints its state."""
+each (docs/incentives.md). Pure bookkeeping: the engine (engine/contribution.py) feeds it each
+round's participants, costs, contributions and sample counts, and checkpoints its state."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FLI, the Federated Learning Incentivizer (Yu et al., AIES 2020, DOI 10.1145/3375627.3375840;
-IEEE Intelligent Systems 2020, DOI 10.1109/MIS.2020.2987774); seed 002, section 四, FLI card;
-spec incentives.md 3.1.
+IEEE Intelligent Systems 2020, DOI 10.1109/MIS.2020.2987774); docs/incentives.md, "Incentives:
+FLI and the baselines".
 
 Per round t a budget B(t) is paid to the round's participants. Each participant i carries a
 regret queue Y_i (cost not yet paid back) and a temporal ("waiting") queue Q_i::

@@ -4,8 +4,8 @@ attention output projection and after the feed-forward output projection of ever
     h <- h + W_up sigma(W_down h + b_down) + b_up,     W_down: d -> m, W_up: m -> d,
 
 inserted before the residual connection and layer norm. W_up starts at zero, so every adapter
-starts as the identity (the seed writes the two names the other way round; this is the
-standard form). FedAdapter (Cai et al., MobiCom 2022) federates exactly these parameters.
+starts as the identity (some write the two names the other way round; this is the
+paper's form). FedAdapter (Cai et al., MobiCom 2022) federates exactly these parameters.
 """
 
 from __future__ import annotations

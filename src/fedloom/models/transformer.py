@@ -7,7 +7,7 @@ tests) is a constant the forward closes over: it is no parameter or buffer, so i
 travels, is never stacked per client and never checkpointed. The forward calls the backbone
 through ``torch.func.functional_call`` with the PEFT tensors substituted and a 4-D attention
 mask built from the pad id: transformers' own 2-D mask preparation has data-dependent control
-flow that ``vmap`` rejects (specs/peft.md 1.3), the 4-D mask does not.
+flow that ``vmap`` rejects (docs/peft.md), the 4-D mask does not.
 
 Inputs are token ids (n, T) int64, pad id 0; the sentence representation is the mean of the
 non-pad tokens' last hidden states (sentence-transformers' pooling for MiniLM), then a linear
@@ -111,7 +111,7 @@ def load_minilm() -> nn.Module:
 
 def tiny_bert(stream: torch.Generator, vocab_size: int = 30522) -> nn.Module:
     """A random tiny BERT (hidden 32, 2 layers, 2 heads, FFN 64) from the stream (seed,
-    'backbone'): the unit tests' stand-in for the pretrained model (specs/peft.md 1.3)."""
+    'backbone'): the unit tests' stand-in for the pretrained model (docs/peft.md)."""
     from transformers import BertConfig, BertModel
 
     config = BertConfig(

@@ -1,5 +1,5 @@
 """The server-side math of federated PEFT, as pure functions over factors and parameter dicts
-(specs/peft.md 1.1-1.2; docs/peft.md).
+(docs/peft.md).
 
 Notation: client k holds A_k (r x in) and B_k (out x r) of each LoRA target, with weight p_k
 (sum 1); its update of the frozen W0 is s B_k A_k. The exact global update is
@@ -85,7 +85,8 @@ def fedex_residual(
 
 # -- HetLoRA --------------------------------------------------------------------------------
 def rank_by_size(n: int, n_max: int, r_max: int) -> int:
-    """The seed's rule: r_k = floor(r_max log(n_k + 1) / log(n_max + 1)), at least 1."""
+    """fedloom's size rule (docs/peft.md): r_k = floor(r_max log(n_k + 1) / log(n_max + 1)),
+    at least 1."""
     if n_max <= 0:
         return r_max
     return max(1, min(r_max, math.floor(r_max * math.log(n + 1) / math.log(n_max + 1))))
@@ -132,9 +133,9 @@ def hetlora_weights(
 def spherical_mean(
     prompts: Sequence[torch.Tensor], p: Sequence[float], eps: float = 1e-12
 ) -> torch.Tensor:
-    """The seed's geometry-aware aggregate of K prompts (L x d): per token, the weighted mean of
-    the unit directions, renormalized, at the weighted mean norm (for K = 2 and equal norms it
-    points like SLERP's midpoint)."""
+    """The geometry-aware (spherical) aggregate of K prompts (L x d; docs/peft.md): per token, the
+    weighted mean of the unit directions, renormalized, at the weighted mean norm (for K = 2 and
+    equal norms it points like SLERP's midpoint)."""
     stacked = torch.stack(list(prompts))
     w = torch.tensor(list(p), dtype=stacked.dtype).view(-1, 1, 1)
     norms = stacked.norm(dim=-1, keepdim=True)

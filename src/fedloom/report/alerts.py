@@ -1,18 +1,18 @@
-"""The alert rules of the monitoring table (seed 004, second article, 5.2), evaluated on a run's
+"""The alert rules of the monitoring table (docs/monitoring.md, "Alerts"), evaluated on a run's
 files: each alert names its rule, the round it fired and what was seen.
 
 | rule | fires when (thresholds: config ``monitor.alerts``) |
 | --- | --- |
-| loss_plateau | the loss (global, else training) has no new minimum for ``loss_patience`` evaluations in a row (seed: 连续 5 轮 Loss 不降) |
-| update_norm_exploding | the median client update norm exceeds ``update_norm_growth`` x its first value, or is not finite (梯度爆炸) |
-| update_norm_vanishing | the median client update norm falls below ``update_norm_decay`` x its first value (梯度消失) |
+| loss_plateau | the loss (global, else training) has no new minimum for ``loss_patience`` evaluations in a row (default: no decrease for 5 evaluations) |
+| update_norm_exploding | the median client update norm exceeds ``update_norm_growth`` x its first value, or is not finite (exploding gradients) |
+| update_norm_vanishing | the median client update norm falls below ``update_norm_decay`` x its first value (vanishing gradients) |
 | client_update_norm_exploding | a client's update norm exceeds ``update_norm_growth_client`` x its own first recorded value, or is not finite (one client diverging) |
 | client_accuracy_collapse | a client's personalized accuracy falls below ``client_accuracy_drop`` x its best earlier value (e.g. to near 0) |
 | nonfinite_dropped | clients whose loss or model was not finite were left out of rounds (``train.nonfinite: drop``) |
 | p10_low | the latest personalized accuracy P10 is below ``p10_min`` (P10 < 0.65) |
-| zeta_jump | zeta^2 rises by more than ``zeta_jump`` (2.0 = 200%) between two evaluations (zeta^2 突变 > 200%) |
-| communication_budget | cumulative bytes up + down exceed ``communication_budget_mb`` (通信量超预算) |
-| cold_start_slow | new clients do not reach ``cold_start_target`` x the trained clients' mean accuracy within ``cold_start_steps`` adaptation steps (冷启动 > 20 步) |
+| zeta_jump | zeta^2 rises by more than ``zeta_jump`` (2.0 = 200%) between two evaluations (a zeta^2 jump > 200%) |
+| communication_budget | cumulative bytes up + down exceed ``communication_budget_mb`` (communication over budget) |
+| cold_start_slow | new clients do not reach ``cold_start_target`` x the trained clients' mean accuracy within ``cold_start_steps`` adaptation steps (cold start > 20 steps) |
 | privacy_budget | a privacy mechanism's epsilon exceeds ``epsilon_max`` (epsilon > 10) |
 | secure_aggregation_aborted | secure aggregation rounds aborted (too few clients survived for the protocol's threshold; those rounds left the model unchanged) |
 """  # noqa: E501

@@ -1,4 +1,4 @@
-"""The training-health panels of the report (seed 004, second article, 5.2): update norms,
+"""The training-health panels of the report (docs/monitoring.md, "The report"): update norms,
 the cosine-similarity heatmap of client updates, heterogeneity, resources."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def heterogeneity_panel(run: RunData) -> Panel:
         "heterogeneity",
         "Gradient dissimilarity ζ²",
         "ζ² = 1/K Σ_k ||∇F_k(w) − ∇F(w)||² at the global model, on a fixed sample of clients "
-        "(seed 004, 3.1): how far the clients' objectives pull apart as training goes.",
+        "(docs/monitoring.md): how far the clients' objectives pull apart as training goes.",
         wide=False,
     )
     if not run.rounds:
@@ -281,4 +281,3 @@ def attack_panel(run: RunData) -> Panel:
 
 def has_attack(run: RunData) -> bool:
     return any(v is not None for v in run.series("attack", "malicious"))
-

@@ -188,8 +188,10 @@ def _accuracy_card(
 def quality_cards(run: RunData) -> list[Card]:
     """Final global, personalized and (if any) new-client accuracy."""
     if rl.is_rl(run):  # greedy returns instead of accuracies (docs/rl.md)
-        return [Card(label, fmt.number(v), detail, muted=v is None) for label, v, detail in
-                rl.headline(run)]
+        return [
+            Card(label, fmt.number(v), detail, muted=v is None)
+            for label, v, detail in rl.headline(run)
+        ]
     cards = [
         _accuracy_card(
             "Global accuracy", final_section(run, "global"), "accuracy", "loss", "no global model"

@@ -188,7 +188,7 @@ def fairness_panel(run: RunData) -> Panel:
     panel = Panel(
         "incentive_fairness",
         "Fairness and quality metrics, FLI and baselines",
-        "Over the whole run, per scheme (spec incentives.md 3.1).",
+        "Over the whole run, per scheme (docs/incentives.md).",
     )
     schemes = dig(run.summary, "incentive", "schemes")
     if not isinstance(schemes, dict) or not schemes:

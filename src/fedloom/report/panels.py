@@ -8,7 +8,7 @@ from fedloom.report.rundir import RunData, dig, num
 
 
 def build_panels(run: RunData) -> list[Panel]:
-    """All figure slots of the report, in page order, grouped as the seed's monitoring table
+    """All figure slots of the report, in page order, grouped as docs/monitoring.md's table
     (convergence health, personalization, heterogeneity, resources). The cold-start slot is
     there only for runs that hold clients out (``eval.new_clients`` > 0)."""
     if vertical.is_vertical(run):  # vertical and transfer runs: their own panels

@@ -1,16 +1,16 @@
-"""Missing-feature-aware aggregation (``aggregator.kind: feature_aware``; seed 004, section
-4.2, "缺失感知聚合"): the server keeps the feature mask matrix M (M_kj = 1 when client k observed
-input feature j) and averages the first layer's weight column j only over the clients that
+"""Missing-feature-aware aggregation (``aggregator.kind: feature_aware``;
+docs/missing_features.md): the server keeps the feature mask matrix M (M_kj = 1 when client k
+observed input feature j) and averages the first layer's weight column j only over the clients that
 observed feature j:
 
     W^(j) = sum_k w_k M_kj W_k^(j) / sum_k w_k M_kj,
 
-with w_k the weight the algorithm gives client k (n_k for FedAvg; the seed's formula is the
-case of equal weights). A client that never sees feature j gets no gradient for column j and
-uploads the column it was sent; the plain mean would pull the column back towards that stale
-value every round. Every other parameter, and a column that no client of the round observed,
-gets the plain weighted mean. The masks are read from the clients' training data
-(data/missing.py, ``observed``).
+with w_k the weight the algorithm gives client k (n_k for FedAvg; with equal weights it is the
+plain mean over the observing clients). A client that never sees feature j gets no gradient for
+column j and uploads the column it was sent; the plain mean would pull the column back towards that
+stale value every round. Every other parameter, and a column that no client of the round observed,
+gets the plain weighted mean. The masks are read from the clients' training data (data/missing.py,
+``observed``).
 
 The engine's aggregation slot gets trees and weights, not client ids: ``begin`` records the
 round's clients in the order of their results, which is the order in which the FedAvg-family

@@ -1,4 +1,4 @@
-"""CKKS-encrypted FedAvg with TenSEAL (spec ``privacy_secagg.md`` §5, CKKS alternative).
+"""CKKS-encrypted FedAvg with TenSEAL (docs/secure_aggregation.md, CKKS).
 
 Same roles as the Paillier backend (``he_protocol``): the key authority alone holds the secret
 context; clients and the server get the public context (``serialize(save_secret_key=False)``,

@@ -1,4 +1,4 @@
-"""Paillier-encrypted FedAvg (spec ``privacy_secagg.md`` §5) as a :class:`SecureSum`.
+"""Paillier-encrypted FedAvg (docs/secure_aggregation.md) as a :class:`SecureSum`.
 
 Per round: clients clip, encode (q = round(x·2^f) + round(c·2^f)), pack S slots per
 plaintext and encrypt under the key authority's public key; the server multiplies the

@@ -1,6 +1,6 @@
 """Paillier building blocks over ``phe``: keys, fixed-point encoding, slot packing.
 
-Spec: ``privacy_secagg.md`` §5. Nothing here is FedAvg-specific, so the vertical-FL protocols
+See docs/secure_aggregation.md. Nothing here is FedAvg-specific, so the vertical-FL protocols
 (secure linear regression, SecureBoost) reuse the same helpers:
 
 - :func:`generate_keypair` (``phe``; with ``gmpy2`` installed ``phe`` uses it on its own);
@@ -13,7 +13,7 @@ Spec: ``privacy_secagg.md`` §5. Nothing here is FedAvg-specific, so the vertica
 - :func:`encrypt_packed` / :func:`decrypt_packed` (``raw_encrypt`` / ``raw_decrypt``: phe's
   ``encrypt`` of an int only accepts |m| <= n/3), :func:`add_ciphertexts` (⊕) and
   :func:`scale_ciphertexts` (⊗ a public non-negative integer);
-- signed integers (vertical FL, ``vertical_transfer.md`` §1 "Encoding and masks"): a plaintext
+- signed integers (vertical FL, docs/vertical.md "Encoding and masks"): a plaintext
   m with |m| < n/2 is stored as m mod n (:func:`encrypt_ints`) and read back by the centred
   lift to (−n/2, n/2] (:func:`decrypt_ints`); :func:`linear_combination` (Σ w_i ⊗ [[m_i]] for
   public signed integers w_i), :func:`subtract_ciphertexts` and :func:`rerandomize` (a fresh

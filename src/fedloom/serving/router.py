@@ -1,5 +1,6 @@
-"""Confidence routing between a client's personal model and the global model (seed 004, 5.3:
-推理时根据输入置信度动态路由，高置信用个性化模型，低置信回退全局模型; docs/serving.md).
+"""Confidence routing between a client's personal model and the global model (docs/serving.md,
+"The router": at inference, route each input by confidence, the personal model when it is
+confident, the global model as the fallback when it is not).
 
 The rule, per input x, with p(x) and g(x) the two models' softmax outputs:
 

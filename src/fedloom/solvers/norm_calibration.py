@@ -1,7 +1,8 @@
 """Recalibrating normalization layers' running statistics on a client's own data.
 
 A model whose BatchNorm statistics were never computed on a client's inputs (FedBN's held-out
-new client, seed 002's FedBN card: 新客户端还需BN校准) gets them from forward passes over
+new client, Li et al., ICLR 2021, arXiv:2102.07623: a new client's BN statistics must be
+calibrated before it deploys) gets them from forward passes over
 that client's training data in training mode, without gradients and without changing any
 weight. The statistics are a cumulative average over the passes, like BatchNorm with
 ``momentum=None``, except that each batch weighs by its number of samples (identical when the

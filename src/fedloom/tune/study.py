@@ -9,7 +9,7 @@
   fidelity), or none.
 - Storage: an append-only journal file (no database server); the study name is fixed, because
   Hyperband assigns brackets by a hash of (study name, trial number) and a different name gives
-  a different trial list (specs/fedhpo.md).
+  a different trial list (docs/tune.md).
 """
 
 from __future__ import annotations
