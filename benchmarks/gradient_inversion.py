@@ -1,4 +1,5 @@
-"""Gradient inversion on Fashion-MNIST (issue #15, spec 4.3 and 4.4 test 5; docs/audit.md).
+"""Gradient inversion on Fashion-MNIST (issue #15; DLG, Zhu et al. 2019; iDLG, Zhao et al. 2020;
+docs/audit.md).
 
 The DLG paper's LeNet-style network (sigmoid, uniform(-0.5, 0.5) weights) at initialization,
 batch 1, images of the official test split. For each image the client's gradient is inverted

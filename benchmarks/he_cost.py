@@ -1,4 +1,5 @@
-"""Cost of homomorphically encrypted FedAvg per round: Paillier (packed) and CKKS (spec §5).
+"""Cost of homomorphically encrypted FedAvg per round: Paillier (packed) and CKKS
+(docs/secure_aggregation.md).
 
     python benchmarks/he_cost.py [--clients 100] [--dim 199210] [--schemes paillier-2048,...]
                                  [--budget-s 150] [--threads 1]

@@ -1,9 +1,9 @@
-"""Incentives and contribution evaluation (issue #19, docs/incentives.md; spec incentives.md
-3.3): the numbers of the issue's closing note.
+"""Incentives and contribution evaluation (issue #19, docs/incentives.md): the numbers of the
+issue's closing note.
 
-1. FLI dynamics (spec test 2): 10 owners, c ~ U[0.5, 2], q ~ U[0, 1], T = 100, R = 1, at
-   B = 1.5, 0.5 and 0.8 x sum c: the regret queues of FLI and the baselines, and the omega
-   sweep at B = 1.5 sum c.
+1. FLI dynamics (Yu et al. 2020's queues, simulated): 10 owners, c ~ U[0.5, 2], q ~ U[0, 1],
+   T = 100, R = 1, at B = 1.5, 0.5 and 0.8 x sum c: the regret queues of FLI and the
+   baselines, and the omega sweep at B = 1.5 sum c.
 2. GTG vs exact on FL rounds with 8 clients (Fashion-MNIST, 2NN MLP, FedAvg): each round's
    coalition values computed exactly (all 2^8), GTG replayed on the same table: coalitions it
    evaluates and its relative L1 error.
@@ -44,7 +44,7 @@ SCHEMES = ["fli", "equal", "samples", "shapley", "cost"]
 
 # -- 1. FLI dynamics --------------------------------------------------------------------------
 def fli_dynamics(fraction: float, omega: float, rounds: int = 100) -> dict[str, Any]:
-    """Spec test 2's simulation (NumPy seed 0): var_i Y_i(T) per scheme, the growth of sum Y
+    """Item 1's simulation (NumPy seed 0): var_i Y_i(T) per scheme, the growth of sum Y
     in the last round (in units of sum c) and Spearman(pay - cost, q) for FLI."""
     rng = np.random.default_rng(0)
     c, q = rng.uniform(0.5, 2.0, 10), rng.uniform(0.0, 1.0, 10)
@@ -111,9 +111,12 @@ class _Tables(Callback):
 
     def __init__(self) -> None:
         self.tables: list[dict[tuple[int, ...], float]] = []
+        self.incentives: Any = None
+        """The run's contribution callback (engine/contribution.py), set once it is built."""
 
-    def on_round_end(self, engine: Any, state: Any, report: Any) -> None:
-        self.tables.append(dict(engine.incentives.game.values))
+    def on_round_end(self, ctx: Any, state: Any, report: Any) -> dict[str, Any]:
+        self.tables.append(dict(self.incentives.game.values))
+        return {}
 
 
 def round_tables(
@@ -124,7 +127,9 @@ def round_tables(
     cfg = parse_config(fl_config(seed, rounds, {"kind": "exact"}))
     grab = _Tables()
     module = build_model("mlp", data.input_shape, data.num_outputs)
-    Engine(cfg, data, module, callbacks=[grab]).run()
+    engine = Engine(cfg, data, module, callbacks=[grab])
+    grab.incentives = engine.incentives
+    engine.run()
     return grab.tables
 
 

@@ -1,9 +1,9 @@
-"""Membership inference on Fashion-MNIST and seed 004's defences (issue #15, spec 4.2 and 4.4
-tests 3-4; docs/audit.md).
+"""Membership inference on Fashion-MNIST and the three defences of docs/audit.md (issue #15;
+Yeom et al. 2018, Shokri et al. 2017).
 
-The spec's setting: IID clients of 200 training samples (and 100 held out) from the official
-training split, the 2NN (784-200-200-10), SGD lr 0.05, batch 32, one local epoch a round; the
-official test split is the never-seen holdout. Runs, per seed:
+The setting (docs/audit.md, "Measured"): IID clients of 200 training samples (and 100 held
+out) from the official training split, the 2NN (784-200-200-10), SGD lr 0.05, batch 32, one
+local epoch a round; the official test split is the never-seen holdout. Runs, per seed:
 
 - local training, 100 rounds (100 epochs): the overfit reference;
 - FedAvg, 30 rounds, all clients;

@@ -1,4 +1,4 @@
-"""Federated PEFT on a pretrained transformer: the strategy comparison of specs/peft.md 1.4.
+"""Federated PEFT on a pretrained transformer: the strategy comparison of docs/peft.md.
 
 all-MiniLM-L6-v2 (frozen) + LoRA r=8 alpha=16 on query/value, BBC News headlines, 10 clients
 with Dirichlet(0.3) label skew, each client 70/30 train/test, 1 local epoch of SGD a round,

@@ -1,4 +1,4 @@
-"""Federated RL measurements (spec frl.md 2.1-2.2; docs/rl.md; issue #18):
+"""Federated RL measurements (Jin et al., AISTATS 2022; Zhuo et al. 2019; docs/rl.md; issue #18):
 
 - HFRL: PAvg, personalized PAvg and local REINFORCE agents on CartPole (4 agents, half-lengths
   0.25/0.5/1.0/1.5, 16 environments each; PAvg every 5 iterations), greedy return per training

@@ -1,6 +1,6 @@
 """Poisoning attacks against robust aggregation (issue #15, docs/security.md).
 
-The spec's setting (specs/attacks_defences.md 4.1): Fashion-MNIST, softmax regression, 50
+The robustness setting of docs/security.md: Fashion-MNIST, softmax regression, 50
 clients of 1,200 samples, all in every round, 10 malicious, 30 rounds of 1 local epoch of SGD
 at lr 0.1, batch 50. Tables of the global model's test accuracy on the benign clients' data,
 every attack x every aggregator, IID and Dirichlet(0.3); then Ditto (lambda 0.1): its benign

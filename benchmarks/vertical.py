@@ -3,20 +3,21 @@
     python benchmarks/vertical.py [--sections secureboost,timing,linear,ftl] [--quick]
 
 - ``secureboost``: the plaintext path vs ``xgboost.train`` (same cuts, base_score = mean label,
-  breast_cancer train split of spec §1 test 2, unscaled, guest = cols 0-9): max |margin
-  difference| on train and test, leaf counts, for the spec's three settings; and the encrypted
+  breast_cancer's stratified 70/30 train split with random_state 0, unscaled, guest = cols
+  0-9): max |margin difference| on train and test, leaf counts, for three settings (max_bin 32
+  / depth 3 / 10 trees, max_bin 256 / depth 6 / 20 trees, gamma 0.5); and the encrypted
   path (1024-bit keys, 2 trees, depth 3, max_bin 16) vs the plaintext one, packed and unpacked.
 - ``timing``: seconds per tree of the encrypted path (depth 3, max_bin 32, the 398 training
   rows, 20 host features), 1024 and 2048 bits, with and without GH packing + compression.
   1024 bits: mean of 2 trees; 2048 bits: 1 tree (the table says so). ``--quick`` skips 2048
   unpacked (about 2 minutes alone).
-- ``linear``: secure linear (diabetes, spec §1 test 1 data) and logistic (breast_cancer, §1
-  test 2 data) regression: encrypted (1024 bits, 5 iterations, three- and two-party) vs the
+- ``linear``: secure linear (diabetes) and logistic (breast_cancer) regression, data as in
+  tests/vertical/conftest.py: encrypted (1024 bits, 5 iterations, three- and two-party) vs the
   plaintext path vs centralised gradient descent (max |Θ| difference), seconds per iteration;
   then the plaintext path trained to convergence next to scikit-learn (accuracy; RMSE).
-- ``ftl``: the worked example of spec §3 (500 full-batch steps): B-only test accuracy in the
-  clear (torch seed 0 init as in the spec, and fedloom's seeded stream; scaler on all rows as
-  in the spec, and on the training rows), the AHE protocol (1024 bits) and the secret-sharing
+- ``ftl``: the worked example of docs/vertical.md (500 full-batch steps): B-only test accuracy
+  in the clear (torch seed 0 init, and fedloom's seeded stream; scaler on all rows, as in the
+  example, and on the training rows), the AHE protocol (1024 bits) and the secret-sharing
   protocol vs the plaintext path after 3 iterations (max |W| difference), seconds per
   iteration, and the secret-sharing run's accuracy after 500 steps.
 
@@ -258,7 +259,7 @@ def ftl() -> dict[str, Any]:
             (torch.randn(15, 8, dtype=torch.float64) * 0.1).numpy(),
             (torch.randn(15, 8, dtype=torch.float64) * 0.1).numpy(),
         )
-        if scale_on == "all":  # the spec's run: GD on the component formulas, in one place
+        if scale_on == "all":  # reference: GD on the component formulas, in one place
             align = Alignment(d.overlap_a, d.overlap_b, d.labelled)
             w_a, w_b = spec_init
             for _ in range(500):

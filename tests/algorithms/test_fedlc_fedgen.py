@@ -80,7 +80,7 @@ def test_fedlc_loss_equals_a_hand_computation():
     expected /= 2
     loss = calibrated_loss(logits, y, counts, tau, min_count=1e-8)
     assert float(loss) == pytest.approx(expected, rel=1e-12)
-    # the seed's prior term: -sum_c pi_c log(p_c / pi_c), p = mean softmax over the batch
+    # the optional prior term: -sum_c pi_c log(p_c / pi_c), p = mean softmax over the batch
     pi = [16 / 17, 1 / 17, 0.0]
     probs = [[math.exp(z) / sum(math.exp(v) for v in row) for z in row] for row in logits.tolist()]
     p = [(probs[0][c] + probs[1][c]) / 2 for c in range(3)]

@@ -5,7 +5,7 @@ The clients (``feature_skew: false``, 100 samples) have Hessians with eigenvalue
 [1.14, 3.46] and local optima 1.2-3.3 apart from the uniform consensus optimum. On them:
 
 * both algorithms follow their pseudocode step for step (float64 re-implementations below,
-  from the seed, full-batch gradients);
+  from the papers' pseudocode, full-batch gradients);
 * both reach the solution of the mixed-model problem, (1) for L2SGD and (3) for pFedMe, which is
   the same point (checked): lambda -> 0 gives the local optima, large lambda the consensus;
 * pFedMe's beta = 1 is plain averaging of the omega's and beta > 1 extrapolates (7).
@@ -86,10 +86,10 @@ def test_problems_1_and_3_have_the_same_solution_with_the_right_limits(data, qua
 
 
 def l2sgd_reference(quadratics, init, lam, p, eta, rounds, seed=0):
-    """The seed's L2SGD pseudocode, iteration by iteration, in float64: each iteration the
-    shared coin says 'no communication' (local gradient step scaled 1/(K(1-p))) or
-    'communicate' (average, then the step scaled lam/(K p) towards it). A round of the engine
-    ends with a communication; ``local_step_count`` is that coin."""
+    """L2SGD's pseudocode (Hanzely & Richtarik 2020), iteration by iteration, in float64:
+    each iteration the shared coin says 'no communication' (local gradient step scaled
+    1/(K(1-p))) or 'communicate' (average, then the step scaled lam/(K p) towards it). A round of
+    the engine ends with a communication; ``local_step_count`` is that coin."""
     hessians, optima = quadratics
     thetas = [init.clone() for _ in range(K)]
     for round in range(1, rounds + 1):
@@ -204,8 +204,8 @@ def test_l2sgd_config_is_validated(data):
 
 
 def pfedme_reference(quadratics, init, lam, eta, inner_lr, inner_steps, local_rounds, beta, rounds):
-    """The seed's pFedMe pseudocode with full-batch gradients, every client every round, in
-    float64. The inner prox solver takes ``inner_steps`` gradient steps on
+    """pFedMe's pseudocode (Dinh et al. 2020, Algorithm 1) with full-batch gradients, every
+    client every round, in float64. The inner prox solver takes ``inner_steps`` gradient steps on
     f_k(theta_k) + lam/2 ||theta_k - omega||^2, warm-started from the previous theta_k (the
     global model at the start of the round)."""
     hessians, optima = quadratics

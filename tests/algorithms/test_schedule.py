@@ -30,7 +30,7 @@ def test_schedule_values():
         assert s.at(1.0, 1, ROUNDS) == 1.0 and math.isclose(s.at(1.0, ROUNDS, ROUNDS), 0.01)
         values = [s.at(1.0, t, ROUNDS) for t in range(1, ROUNDS + 1)]
         assert values == sorted(values, reverse=True)
-    # the seed's linear rule mu_max (1 - s) + mu_min s, and the cosine midpoint
+    # the linear rule mu_max (1 - s) + mu_min s (docs/cold_start.md), and the cosine midpoint
     assert math.isclose(linear.at(1.0, 2, ROUNDS), 1.0 * 0.75 + 0.01 * 0.25)
     assert math.isclose(cosine.at(1.0, 3, ROUNDS), (1.0 + 0.01) / 2)
     assert math.isclose(cosine.at(1.0, 2, ROUNDS), 0.01 + 0.99 * (1 + math.cos(math.pi / 4)) / 2)

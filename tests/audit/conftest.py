@@ -1,5 +1,5 @@
-"""Fixtures for the audit tests: the spec's small-client Fashion-MNIST setting (spec 4.2) and
-finished runs on it, made once per session and shared by the acceptance tests."""
+"""Fixtures for the audit tests: the small-client Fashion-MNIST setting of docs/audit.md
+("Measured") and finished runs on it, made once per session and shared by the acceptance tests."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ Holdout = tuple[torch.Tensor, torch.Tensor]
 
 
 def mlp_config(seed: int, algorithm: dict[str, Any], rounds: int) -> dict[str, Any]:
-    """The spec's training: the 2NN, SGD lr 0.05, batch 32, one local epoch a round."""
+    """That setting's training: the 2NN, SGD lr 0.05, batch 32, one local epoch a round."""
     return {
         "seed": seed,
         "model": {"name": "mlp"},

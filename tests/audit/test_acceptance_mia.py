@@ -1,11 +1,12 @@
-"""Membership inference, spec 4.4 tests 3 and 4, on finished runs read back from their run
-directories (Fashion-MNIST, 200 training samples per client, the 2NN, spec 4.2).
+"""Membership inference (Yeom et al. 2018; Shokri et al. 2017) on finished runs read back from
+their run directories: the setting of docs/audit.md, "Measured" (Fashion-MNIST, 200 training
+samples per client, the 2NN).
 
 Test 3: a locally overfit model leaks (AUC >= 0.60), the FedAvg global model hardly
 (<= 0.56), Ditto's personal models at lambda = 1 little (<= 0.57); means over 3 seeds. The
-default run uses fewer clients than the spec's 20 (the locally trained models' AUC does not
-depend on the number of clients; the global model of fewer clients has fewer members per
-parameter, so the bound is harder to meet); the slow one is the spec's size. Measured (seeds
+default run uses fewer clients than that setting's 20 (the locally trained models' AUC does
+not depend on the number of clients; the global model of fewer clients has fewer members per
+parameter, so the bound is harder to meet); the slow one has 20. Measured (seeds
 0-2): local 0.668, FedAvg global 0.502, Ditto lambda=1 0.514 at 20 clients; 0.665, 0.496,
 0.515 at 8.
 
@@ -106,8 +107,8 @@ def test_acceptance_4_defence_tradeoff(tradeoff: list[dict[str, Any]]) -> None:
     "+0.03 to +0.14; benchmarks/mia_defences.py, docs/audit.md)",
 )
 def test_acceptance_4_noisy_prox_lowers_auc(tradeoff: list[dict[str, Any]]) -> None:
-    """The spec's claim for defence (1): a drop of at least 0.02, as distillation and output
-    noise achieve here."""
+    """The expectation that defence (1), the noisy proximal term, lowers the AUC like the others:
+    a drop of at least 0.02, as distillation and output noise achieve here."""
     base = tradeoff[0]
     for r in tradeoff:
         if r["defence"] == "noisy_prox":

@@ -1,6 +1,7 @@
-"""Gradient inversion (spec 4.4, test 5): DLG/iDLG on the sigmoid LeNet recover a Fashion-MNIST
-image from its gradient (PSNR >= 30 dB) unless the gradient is noised (sigma 0.1) or 90%
-pruned (<= 15 dB); the analytic first-layer recovery is exact (>= 100 dB)."""
+"""Gradient inversion (DLG, Zhu et al. 2019; iDLG, Zhao et al. 2020; docs/audit.md): DLG/iDLG
+on the sigmoid LeNet recover a Fashion-MNIST image from its gradient (PSNR >= 30 dB) unless
+the gradient is noised (sigma 0.1) or 90% pruned (<= 15 dB); the analytic first-layer
+recovery is exact (>= 100 dB)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_idlg_recovers_label_and_image(lenet, images, i: int) -> None:  # type: 
     x, y = images[0][i : i + 1], images[1][i : i + 1]
     grads = batch_gradient(model, params, {}, x, y)
     label = idlg_label(grads, *last_layer_keys(model, 10))
-    assert label == int(y)  # spec: labels 3/3
+    assert label == int(y)  # iDLG's label rule (Zhao et al. 2020)
     inv = _attack(model, params, grads, i, torch.tensor([label]))
     assert inv.psnr(x) >= 30.0
 

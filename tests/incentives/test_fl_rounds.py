@@ -1,4 +1,5 @@
-"""Contribution evaluation on real FL rounds (spec incentives.md 3.3, tests 4 and 5), on
+"""Contribution evaluation on real FL rounds (GTG's cost and error against exact values, a
+random-label client ranked last, identical clients valued alike; docs/incentives.md), on
 Fashion-MNIST through the scenarios of benchmarks/incentives.py (the benchmark runs them over
 more rounds and seeds)."""
 

@@ -1,6 +1,6 @@
-"""FLI (spec incentives.md 3.3, tests 1 and 2): the closed form on a hand-computed round,
-budget balance and equivariance, and the queue dynamics at three budgets against the
-seed's baselines."""
+"""FLI (Yu et al. 2020; docs/incentives.md): the closed form on a hand-computed round, budget
+balance and equivariance, and the queue dynamics at three budgets against the four baselines
+(equal split, by sample count, Shapley-proportional, cost only)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def test_identical_participants_get_identical_pay():
 
 
 def simulate(fraction: float, omega: float, rounds: int = 100):
-    """Spec 3.3 test 2: 10 owners, c ~ U[0.5, 2], q ~ U[0, 1] (NumPy seed 0), R = 1."""
+    """The FLI dynamics of docs/incentives.md, "Measured": 10 owners, c ~ U[0.5, 2],
+    q ~ U[0, 1] (NumPy seed 0), T = 100, R = 1."""
     rng = np.random.default_rng(0)
     c, q = rng.uniform(0.5, 2.0, 10), rng.uniform(0.0, 1.0, 10)
     n = rng.integers(100, 1000, 10)
@@ -103,7 +104,7 @@ def test_dynamics_at_three_budgets():
     assert all(y > 0 for y in poor.ledgers["fli"].regret.values())
     assert np.diff(totals)[-10:] == pytest.approx([0.5 * c.sum()] * 10, rel=1e-9)
     tight, _, _, _ = simulate(0.8, 1.0)
-    fli = var_regret(tight, "fli")  # spec: 93 vs 949 / 2277 (measured 92.6 / 948.5 / 2276.9)
+    fli = var_regret(tight, "fli")  # measured 92.6; equal 948.5, Shapley 2276.9
     assert fli == pytest.approx(92.58, abs=0.01)
     for baseline in ("equal", "samples", "shapley"):
         assert fli <= 0.15 * var_regret(tight, baseline), baseline
@@ -111,7 +112,7 @@ def test_dynamics_at_three_budgets():
 
 def test_omega_trades_fairness_for_contribution():
     """At B = 1.5 sum c: pay net of cost follows contribution (Spearman 0.98 at omega 10),
-    and the regret spread grows with omega (spec: 0.00, 0.11, 32)."""
+    and the regret spread grows with omega (measured 0.00, 0.11, 32.1)."""
     spreads = []
     for omega in (1.0, 10.0, 100.0):
         book, _, q, _ = simulate(1.5, omega)

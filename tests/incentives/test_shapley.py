@@ -1,5 +1,5 @@
-"""Shapley estimators (spec incentives.md 3.3, tests 3 and 4): the axioms on exact values,
-the glove and additive games, and TMC/GTG over all permutations equal to exact."""
+"""Shapley estimators (docs/incentives.md, "Contribution: the game of a round"): the axioms on
+exact values, the glove and additive games, and TMC/GTG over all permutations equal to exact."""
 
 from __future__ import annotations
 

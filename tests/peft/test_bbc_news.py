@@ -15,7 +15,7 @@ from tests.peft.helpers import tiny_config
 def test_unique_articles_in_sorted_class_order():
     classes, labels, raw = read_articles()
     assert classes == sorted(classes) and len(classes) == 5
-    assert len(raw) == 2127  # 2,225 files, 98 byte-identical duplicates (specs/peft.md 0)
+    assert len(raw) == 2127  # 2,225 files, 98 byte-identical duplicates (docs/peft.md)
     assert len({hashlib.sha256(r).hexdigest() for r in raw}) == len(raw)
     assert labels == sorted(labels, key=classes.index)
 

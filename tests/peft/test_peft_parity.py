@@ -1,4 +1,4 @@
-"""Acceptance tests 4 and 5 of specs/peft.md on the tiny random BERT: the functional LoRA
+"""peft parity and merging (docs/peft.md) on the tiny random BERT: the functional LoRA
 equals the peft library's (logits and gradients), the peft state dict round-trips bit-exactly,
 and the merged model W0 + s B A equals the adapter model."""
 

@@ -1,7 +1,7 @@
-"""Acceptance test 6 of specs/peft.md on the real all-MiniLM-L6-v2 and BBC News headlines:
+"""The real-model test of docs/peft.md on all-MiniLM-L6-v2 and BBC News headlines:
 under Dirichlet(0.3) label skew, keeping B personal (FedSA-LoRA) beats averaging both factors
 (FedIT) in personalized accuracy after 3 rounds, and one epoch of central LoRA learns the task.
-Thresholds from the spec, checked against this SGD engine (docs/peft.md, measured numbers)."""
+Thresholds checked against this SGD engine (docs/peft.md, measured numbers)."""
 
 from __future__ import annotations
 

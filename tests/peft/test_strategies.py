@@ -1,4 +1,4 @@
-"""Acceptance tests 1 and 3 of specs/peft.md: exactness of the LoRA aggregations, HetLoRA."""
+"""Exactness of the LoRA aggregations (docs/peft.md, "Strategies and their exactness"), HetLoRA."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Accounting goes through Opacus: the spec's reference values (opacus 1.6.0, delta 1e-5,
-default orders) and its noise calibration (docs/privacy.md)."""
+"""Accounting goes through Opacus: epsilon values of its RDP accountant (Mironov 2017;
+Mironov, Talwar and Zhang 2019) recorded from opacus 1.6.0 (delta 1e-5, default orders), and
+its noise calibration (docs/privacy.md)."""
 
 from __future__ import annotations
 

@@ -221,8 +221,9 @@ def test_a_run_with_adaptive_clipping_resumes_bit_for_bit(tmp_path):
 
 def test_noise_zero_without_secure_aggregation_equals_the_run_without_privacy():
     """The issue's contract, under the conditions where DP-FedAvg's estimator is FedAvg's
-    (spec test 3): noise 0, a bound no update reaches, fixed-size sampling of every client,
-    equal client sizes (digits over 3 clients: 479 each). The release equals plain FedAvg's."""
+    (McMahan et al., ICLR 2018, arXiv:1710.06963): noise 0, a bound no update reaches,
+    fixed-size sampling of every client, equal client sizes (digits over 3 clients: 479
+    each). The release equals plain FedAvg's."""
     private = dp_config(
         {"noise_multiplier": 0.0, "clip": 1e6, "sampling": "fixed"}, clients_per_round=3
     )

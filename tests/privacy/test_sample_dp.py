@@ -40,7 +40,7 @@ def sample_dp_config(privacy: dict[str, Any], algorithm: str = "fedavg", **train
 
 
 class MLP(nn.Sequential):
-    """The spec's 10-16-3 MLP."""
+    """The 10-16-3 MLP of docs/privacy.md's Opacus comparison."""
 
     def __init__(self) -> None:
         super().__init__(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
@@ -101,7 +101,7 @@ def ours(start: dict[str, torch.Tensor], sigma: float, steps: int, lr: float = 0
 
 
 def test_dpsgd_equals_opacus():
-    """The spec's case: one step of the 10-16-3 MLP, B = 32, C = 1, sigma = 1.3, the same
+    """docs/privacy.md's case: one step of the 10-16-3 MLP, B = 32, C = 1, sigma = 1.3, the same
     generator (seed 123) drawing the noise in parameter order; then 3 steps without noise."""
     start, theirs = opacus_steps(sigma=1.3, steps=1)
     mine = ours(start, sigma=1.3, steps=1)

@@ -1,5 +1,5 @@
-"""The alert rules (report/alerts.py) fire at the round the seed's conditions first hold, and
-the report shows them."""
+"""The alert rules (report/alerts.py) fire at the round their conditions (docs/monitoring.md,
+"Alerts") first hold, and the report shows them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Spec frl.md 2.3, tests 4 and 5: federated agents learn (slow; measured numbers in
+"""docs/rl.md, "Tests", 4 and 5: federated agents learn (slow; measured numbers in
 docs/rl.md and benchmarks/README.md)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _vfrl(mode: str, seed: int) -> float:
 
 @pytest.mark.heavy(budget=120)  # measured 58 s on a loaded 2-core machine
 def test_hfrl_pavg_matches_or_beats_local_agents():
-    """60 REINFORCE iterations, PAvg every 5 (spec: 15-25 s per seed and method)."""
+    """60 REINFORCE iterations, PAvg every 5 (docs/rl.md, "Tests", 4)."""
     good, gaps = 0, []
     for seed in SEEDS:
         pavg, local = _hfrl("pavg", seed), _hfrl("local", seed)
@@ -53,7 +53,7 @@ def test_hfrl_pavg_matches_or_beats_local_agents():
 
 @pytest.mark.heavy(budget=180)  # measured 87 s on a loaded 2-core machine
 def test_vfrl_vertical_beats_the_q_party_alone():
-    """The spec's protocol: 3,000 DQN iterations per run (measured medians: vertical 273,
+    """docs/rl.md, "Tests", 5: 3,000 DQN iterations per run (measured medians: vertical 273,
     Q-party alone 45, centralized 247; benchmarks/README.md)."""
     vertical, alone, central = [], [], []
     for seed in SEEDS:

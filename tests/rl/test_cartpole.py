@@ -1,4 +1,4 @@
-"""Spec frl.md 2.3, test 1: the batched CartPole step equals Gymnasium's CartPole-v1 step."""
+"""docs/rl.md, "Tests", 1: the batched CartPole step equals Gymnasium's CartPole-v1 step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Spec frl.md 2.3, test 2: tabular QAvg with E = 1 is value iteration on the averaged MDP."""
+"""docs/rl.md, "Tests", 2: tabular QAvg with E = 1 is value iteration on the averaged MDP."""
 
 from __future__ import annotations
 

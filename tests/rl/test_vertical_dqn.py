@@ -1,4 +1,4 @@
-"""Spec frl.md 2.3, test 3: the vertical federated DQN (sigma = 0) is exactly the centralized
+"""docs/rl.md, "Tests", 3: the vertical federated DQN (sigma = 0) is exactly the centralized
 network whose first layer is block-diagonal: same Q-values, same gradients, and only [B, h]
 activations forward and [B, h] gradients backward cross between the parties."""
 

@@ -1,4 +1,4 @@
-"""CKKS-encrypted FedAvg with TenSEAL (spec privacy_secagg.md §5): close to plaintext FedAvg,
+"""CKKS-encrypted FedAvg with TenSEAL (docs/secure_aggregation.md): close to plaintext FedAvg,
 same key-authority policy and dropout semantics as Paillier, public contexts only outside
 the authority."""
 

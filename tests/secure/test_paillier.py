@@ -1,4 +1,4 @@
-"""Paillier-encrypted FedAvg (spec privacy_secagg.md §5): exact packed sums, weights, the
+"""Paillier-encrypted FedAvg (docs/secure_aggregation.md): exact packed sums, weights, the
 overflow guard, the key authority's policy, dropouts and who sees what. 1024-bit keys (tests
 only), one key pair for the module."""
 
@@ -84,7 +84,7 @@ def test_paillier_weighted(keypair: PaillierKeypair) -> None:
 
 
 def test_packing_overflow_guard(keypair: PaillierKeypair) -> None:
-    # the spec's worked example: 2048-bit, f = 16, c = 1, K = 10 -> b = 23, ⌊2046/23⌋ slots
+    # docs/secure_aggregation.md's example: 2048-bit, f = 16, c = 1, K = 10 -> b = 23, 88 slots
     width = slot_bits(FixedPoint(1.0, 16).value_bits, max_terms=10)
     assert width == 23 and SlotPacking.for_key(2048, width).slots == 88
     # K·w_max that cannot fit one slot in a 1024-bit plaintext: refused by the constructor,
@@ -276,7 +276,7 @@ def test_weights_beyond_int64_slots(keypair: PaillierKeypair) -> None:
 
 @pytest.mark.slow
 def test_paillier_2048_spec_setting() -> None:
-    """The spec's measured setting: 2048-bit, f = 16, c = 1, K = 10: exact integer sum."""
+    """The example of docs/secure_aggregation.md: 2048-bit, f = 16, c = 1, K = 10: exact sum."""
     agg = PaillierAggregation(CLIP, FRAC_BITS, key_bits=2048, max_clients=10)
     assert (agg.packing.slot_bits, agg.packing.slots) == (23, 88)
     vectors = client_vectors(10, 2 * 88 + 1, seed=7)

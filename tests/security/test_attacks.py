@@ -1,5 +1,5 @@
-"""Poisoning attacks and robust aggregation in runs: the spec's robustness setting on
-Fashion-MNIST, the backdoor, the poisoning transforms, executors, resume and config errors."""
+"""Poisoning attacks and robust aggregation in runs: the robustness setting of docs/security.md
+on Fashion-MNIST, the backdoor, the poisoning transforms, executors, resume and config errors."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from tests.resume import killed_and_resumed
 
 
 def fmnist(attack: dict[str, Any], aggregator: str, rounds: int = 10) -> dict[str, Any]:
-    """The spec's setting (section 4.1): Fashion-MNIST softmax regression, IID, 50 clients of
-    1,200 samples, all in every round, 10 malicious, 1 local epoch of SGD at lr 0.1, batch 50."""
+    """The robustness setting of docs/security.md: Fashion-MNIST softmax regression, IID, 50
+    clients of 1,200 samples, all in every round, 10 malicious, 1 local epoch of SGD at lr
+    0.1, batch 50."""
     return {
         "seed": 0,
         "data": {"name": "fashion_mnist", "num_clients": 50, "partition": {"kind": "iid"}},
@@ -45,10 +46,11 @@ def accuracy(config: dict[str, Any]) -> float:
     return result.summary["final"]["global"]["accuracy"]
 
 
-@pytest.mark.heavy(budget=120)  # 11 runs at the spec's size: 48 s on a loaded 2-core machine
+@pytest.mark.heavy(budget=120)  # 11 runs of that setting: 48 s on a loaded 2-core machine
 def test_robust_rules_survive_what_breaks_fedavg():
-    """Spec 4.4 test 2 at 10 rounds (measured: clean 0.803; scale x50 0.405 and sign flip x4
-    0.110 under the mean; median, trimmed mean and Multi-Krum 0.799-0.806; Krum 0.779-0.793)."""
+    """Attacks against robust rules at 10 rounds (measured: clean 0.803; scale x50 0.405 and
+    sign flip x4 0.110 under the mean; median, trimmed mean and Multi-Krum 0.799-0.806; Krum
+    0.779-0.793)."""
     clean = accuracy(fmnist({"kind": "none"}, "mean"))
     for attack in ({"kind": "scale", "scale": 50.0}, {"kind": "sign_flip", "scale": 4.0}):
         assert accuracy(fmnist(dict(attack), "mean")) <= clean - 0.25

@@ -1,4 +1,4 @@
-"""fedloom tune (specs/fedhpo.md acceptance tests): determinism, one report per round,
+"""fedloom tune (docs/tune.md): determinism, one report per round,
 resume from the journal, pruned runs freed, the search finds the quadratic's best lr."""
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def test_the_oracle_is_what_fedloom_measures(lr):
 
 
 def test_tpe_hyperband_finds_the_best_lr_with_fewer_rounds(tmp_path):
-    """specs/fedhpo.md (2): 30 trials of TPE + Hyperband find an lr within 2x of the
+    """docs/tune.md, "Measured": 30 trials of TPE + Hyperband find an lr within 2x of the
     quadratic's best (closed form, tests/tune/oracle.py) spending <= 60% of the rounds of no
     pruning (measured: within 4%, 46-55% over seeds 0-4)."""
     raw = quadratic_config(8)

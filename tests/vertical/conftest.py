@@ -1,4 +1,4 @@
-"""Shared data of the vertical tests: the spec's splits of scikit-learn's bundled datasets."""
+"""Shared data of the vertical tests: fixed splits of scikit-learn's bundled datasets."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ KEY_BITS = 1024
 
 @pytest.fixture(scope="session")
 def breast_cancer_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Spec §1 test 2: stratified 70/30 split with random_state 0, unscaled."""
+    """breast_cancer: stratified 70/30 split with random_state 0, unscaled."""
     x, y = load_breast_cancer(return_X_y=True)
     return tuple(train_test_split(x, y, test_size=0.3, random_state=0, stratify=y))  # type: ignore[return-value]
 
@@ -29,7 +29,7 @@ def breast_cancer_scaled(breast_cancer_split):
 
 @pytest.fixture(scope="session")
 def diabetes_standardised() -> tuple[np.ndarray, np.ndarray]:
-    """Spec §1 test 1: all 442 rows, X and y standardised."""
+    """diabetes: all 442 rows, X and y standardised."""
     x, y = load_diabetes(return_X_y=True)
     x = StandardScaler().fit_transform(x)
     return x, (y - y.mean()) / y.std()

@@ -1,4 +1,4 @@
-"""Secure vertical linear and logistic regression (spec §1, acceptance tests 1-5): the
+"""Secure vertical linear and logistic regression (Yang et al. 2019; Hardy et al. 2017): the
 protocols against centralised gradient descent, the Taylor closed form, torch.autograd, and the
 transcripts (who sees what)."""
 

@@ -1,4 +1,4 @@
-"""SecureBoost (spec §2, acceptance tests 1-5): the plaintext path against xgboost.train on the
+"""SecureBoost (Cheng et al., arXiv:1901.08755): the plaintext path against xgboost.train on the
 same cuts, the encrypted path against the plaintext one, lookup tables, cross-party prediction,
 GH packing, and who sees what."""
 
@@ -72,7 +72,8 @@ def test_secureboost_regression_three_parties_equals_xgboost(diabetes_standardis
 
 
 def test_cuts_are_per_column(breast_cancer_split):
-    """A host's own sketch equals the full matrix's cuts of its columns (spec §2 item 3)."""
+    """A host's own sketch equals the full matrix's cuts of its columns (docs/vertical.md,
+    SecureBoost, "Exactness")."""
     x_tr = breast_cancer_split[0]
     full = QuantileCuts.sketch(x_tr, 32)
     host = QuantileCuts.sketch(x_tr[:, GUEST_COLS:], 32)

@@ -36,7 +36,7 @@ AUDIT_FILE = "audit.json"
 PAGE_FILE = "audit.html"
 MEAN_KEYS = ("auc", "tpr_at_1pct_fpr", "max_advantage")
 DLG_DEFENCES = {"gaussian_noise": 0.1, "topk_prune": 0.9}
-"""The gradient defences the DLG audit also tries (spec 4.4, test 5): noise sigma, pruned share."""
+"""The gradient defences the DLG audit also tries (docs/audit.md): noise sigma, pruned share."""
 
 
 def audit(

@@ -81,7 +81,7 @@ def rates(predicted: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tenso
 
 def psnr(reference: torch.Tensor, estimate: torch.Tensor, data_range: float = 1.0) -> float:
     """Peak signal-to-noise ratio 10 log10(range^2 / MSE) in dB, with the estimate clipped to
-    the image range [0, ``data_range``] (DLG, Zhu et al. 2019; spec 4.3); ``inf`` when equal.
+    the image range [0, ``data_range``] (DLG, Zhu et al. 2019; docs/audit.md); ``inf`` when equal.
     Computed in float64 so that a near-exact recovery is not floored by float32 rounding."""
     ref = reference.detach().to(torch.float64)
     est = estimate.detach().to(torch.float64).reshape(ref.shape).clamp(0.0, data_range)

@@ -1,8 +1,8 @@
-"""The spec's membership-inference setting (spec 4.2) as data: Fashion-MNIST (or MNIST) with a
-fixed number of training samples per client, so that a client's model can overfit as in the
-measured table (200 samples per client), and the official test split as the never-seen
-holdout. Used by the acceptance tests and benchmarks/mia_defences.py with ``fedloom.run(config,
-data=...)`` and ``fedloom.audit(run_dir, data=..., holdout=...)``."""
+"""The membership-inference setting of docs/audit.md ("Measured") as data: Fashion-MNIST (or
+MNIST) with a fixed number of training samples per client, so that a client's model can
+overfit as in the measured table (200 samples per client), and the official test split as the
+never-seen holdout. Used by tests/audit and benchmarks/mia_defences.py with
+``fedloom.run(config, data=...)`` and ``fedloom.audit(run_dir, data=..., holdout=...)``."""
 
 from __future__ import annotations
 

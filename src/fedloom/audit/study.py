@@ -1,4 +1,4 @@
-"""The defence trade-off study (spec 4.4, test 4; the report's table): membership-inference AUC
+"""The defence trade-off study (the report's table): membership-inference AUC
 against accuracy for personal models without a defence and under each of the three defences
 (audit/defences.py; docs/audit.md, "The three defences and their honesty labels").
 

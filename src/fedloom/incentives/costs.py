@@ -1,6 +1,7 @@
-"""Each participant's reported cost c_i(t) of a round (spec 3.1) from a declared cost model:
-compute, per training sample processed, plus communication, per MB uploaded; or a cost the
-user gives per client (``incentive.cost.per_client``), charged every round it takes part."""
+"""Each participant's reported cost c_i(t) of a round (FLI, Yu et al. 2020) from a declared
+cost model: compute, per training sample processed, plus communication, per MB uploaded; or a
+cost the user gives per client (``incentive.cost.per_client``), charged every round it takes
+part."""
 
 from __future__ import annotations
 

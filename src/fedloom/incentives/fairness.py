@@ -1,7 +1,7 @@
-"""Fairness and quality metrics of a payment scheme over a run (spec 3.1; spec confidence low
-that these are exactly the papers' plots): total pay, Spearman correlation of pay with
-contribution, Jain's index and variance of the pay/cost ratio, mean and variance of the
-regret Y and waiting Q queues at the end."""
+"""Fairness and quality metrics of a payment scheme over a run (after FLI, Yu et al. 2020; low
+confidence that these are exactly the papers' plots, docs/incentives.md): total pay, Spearman
+correlation of pay with contribution, Jain's index and variance of the pay/cost ratio, mean
+and variance of the regret Y and waiting Q queues at the end."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def fairness(
     regret: Mapping[int, float],
     waiting: Mapping[int, float],
 ) -> dict[str, Any]:
-    """The spec's metrics over the clients that took part (those with a recorded cost)."""
+    """The metrics above over the clients that took part (those with a recorded cost)."""
     ids = sorted(cost)
     pay = [paid.get(i, 0.0) for i in ids]
     ratio = [paid.get(i, 0.0) / cost[i] for i in ids if cost[i] > 0]

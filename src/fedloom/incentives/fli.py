@@ -14,11 +14,12 @@ u_i = B u_i* / sum_j u_j*. B(t) is paid in R equal sub-budgets, Y and Q updated 
 the contribution fixed within the round and the cost charged in the first sub-round only
 (the authors' public game code).
 
-Each formula the spec marks uncertain is one small function below, its confidence in its
-docstring, so that a correction is one line: :func:`waiting_arrival` (lambda rule, medium),
-:func:`contribution_signal` (how q is measured, medium), :func:`round_budget` (the budget
-function, low). The queue recursions and the closed form (:func:`fli_weight`,
-:func:`scale_to_budget`) are high confidence.
+Each formula whose match to the papers is uncertain (the rules were reconstructed from the
+papers' abstracts and the authors' game code, docs/incentives.md) is one small function below,
+its confidence in its docstring, so that a correction is one line: :func:`waiting_arrival`
+(lambda rule, medium), :func:`contribution_signal` (how q is measured, medium),
+:func:`round_budget` (the budget function, low). The queue recursions and the closed form
+(:func:`fli_weight`, :func:`scale_to_budget`) are high confidence.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ def fli_weight(
     contribution: float, regret: float, cost: float, waiting: float, arrival: float, omega: float
 ) -> float:
     """u_i* = 1/2 (omega q_i + Y_i + c_i + Q_i + lambda_i): the minimizer of
-    1/2 (c-u)^2 + Y (c-u) + 1/2 (lambda-u)^2 + Q (lambda-u) - omega q u (spec 3.1; high
-    confidence: derivation and the authors' game code agree)."""
+    1/2 (c-u)^2 + Y (c-u) + 1/2 (lambda-u)^2 + Q (lambda-u) - omega q u (high
+    confidence: the derivation and the authors' game code agree)."""
     return 0.5 * (omega * contribution + regret + cost + waiting + arrival)
 
 
 def scale_to_budget(weights: Mapping[int, float], budget: float) -> dict[int, float]:
-    """u_i = B w_i / sum_j w_j (all zero: nobody is paid). Spec 3.1, high confidence."""
+    """u_i = B w_i / sum_j w_j (all zero: nobody is paid). High confidence."""
     total = math.fsum(weights.values())
     if total <= 0:
         return {i: 0.0 for i in weights}
@@ -49,20 +50,20 @@ def scale_to_budget(weights: Mapping[int, float], budget: float) -> dict[int, fl
 def waiting_arrival(regret: float, mean_cost: float, sub_rounds: int) -> float:
     """lambda_i(t): the temporal queue's arrival. The game code's rule: the mean of i's
     reported costs so far (this round's included) over R while i is owed (Y_i > 0), else 0.
-    Spec confidence: medium (the papers were not readable)."""
+    Confidence: medium (the game code's rule; the papers' text was not checked)."""
     return mean_cost / sub_rounds if regret > 0 else 0.0
 
 
 def contribution_signal(value: float) -> float:
     """q_i(t) >= 0 from a contribution estimate (Shapley value, GTG's rescaled value or
     leave-one-out): negative values clipped to 0, as the game code's max(0, B(N) - B(N - i)).
-    Spec confidence: medium (how the paper measures q is not known here)."""
+    Confidence: medium (how the papers measure q was not checked)."""
     return max(0.0, value)
 
 
 def round_budget(budget: float, round: int) -> float:
     """B(t): the same ``incentive.budget`` every round. The game code instead derives it
-    from revenue, B0 log(1 + sum of model qualities); spec confidence: low."""
+    from revenue, B0 log(1 + sum of model qualities); confidence: low."""
     return budget
 
 

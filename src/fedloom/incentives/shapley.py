@@ -1,11 +1,12 @@
 """Contribution of each participant to a cooperative game v(S): exact Shapley values,
-leave-one-out, TMC-Shapley and GTG-Shapley (spec: incentives.md, 3.2).
+leave-one-out, TMC-Shapley (Ghorbani & Zou, ICML 2019) and GTG-Shapley (Liu et al., ACM TIST
+2022); docs/incentives.md, "Contribution: the game of a round".
 
 A game is any callable ``v(coalition) -> float`` over sorted tuples of player ids, so the same
 estimators value clients in an FL round (v(S): the validation metric of the model built from
 S's uploads, engine/contribution.py) and the textbook games of the tests (glove, additive).
 :class:`CachedGame` evaluates each coalition once and counts the distinct evaluations: the
-cost measure of the spec's acceptance tests.
+cost measure by which the tests and benchmarks/incentives.py compare GTG with exact values.
 """
 
 from __future__ import annotations
@@ -245,8 +246,8 @@ def tmc_shapley(
 
 
 def rescale_to_gain(values: dict[int, float], gain: float) -> dict[int, float]:
-    """GTG's normalization, step (v) (authors' code; spec confidence: high that the code does
-    this, it is not in the paper's pseudocode): gain >= 0 scales the values by gain / (sum
+    """GTG's normalization, step (v) (the authors' public code does this; it is not in the
+    paper's pseudocode): gain >= 0 scales the values by gain / (sum
     of the non-negative values), gain < 0 by gain / (sum of the negative ones); so the sum
     is the gain only when all values share a sign. A zero denominator leaves the values."""
     pool = [x for x in values.values() if (x >= 0 if gain >= 0 else x < 0)]
@@ -266,7 +267,7 @@ def gtg_shapley(
     convergence: Convergence | None = None,
     orders: Iterable[Sequence[int]] | None = None,
 ) -> Valuation:
-    """GTG-Shapley (Liu et al., ACM TIST 2022), spec 3.2 (i)-(v): (i) a round whose gain
+    """GTG-Shapley (Liu et al., ACM TIST 2022), steps (i)-(v): (i) a round whose gain
     |v(N) - v(0)| is at most ``round_tolerance`` values everyone 0; (ii) guided permutation
     sweeps; (iii) within-round truncation at ``tolerance``; (iv) the convergence rule of
     :class:`Convergence`, checked after each full sweep; (v) :func:`rescale_to_gain` (the raw

@@ -61,7 +61,8 @@ def exact_product(
 def fedit(
     a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], p: Sequence[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FedIT / naive LoRA-FedAvg: (avg A, avg B), each weighted by p (inexact, spec 1.1)."""
+    """FedIT / naive LoRA-FedAvg: (avg A, avg B), each weighted by p (inexact: docs/peft.md;
+    Wang et al., FLoRA, NeurIPS 2024)."""
     return weighted_sum(a, p), weighted_sum(b, p)
 
 

@@ -81,7 +81,7 @@ class RLModelConfig(StrictModel):
     name: Literal["mlp_policy"] = "mlp_policy"
     hidden: list[Annotated[int, Field(ge=1)]] = Field(default=[32], min_length=1)
     activation: Literal["tanh", "relu"] | None = None
-    """null: tanh for policies (the spec's 4-32-2 tanh), relu for Q-networks."""
+    """null: tanh for policies (4-32-2 tanh on CartPole, docs/rl.md), relu for Q-networks."""
 
 
 class _Algorithm(StrictModel):

@@ -8,7 +8,8 @@ Per iteration every agent takes one epsilon-greedy step in each of its N environ
     l(theta) = (Q_theta(s, a) - (r + gamma (1 - terminated) max_a' Q_target(s', a')))^2,
 
 with a target network copied every ``target_every`` iterations. ``terminated`` is the TD
-``done`` flag; the 500-step truncation is not (spec pitfall), the next state still bootstraps.
+``done`` flag; the 500-step truncation is not (Pardo et al., ICML 2018, "Time Limits in
+Reinforcement Learning"): the next state still bootstraps.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ CHUNK = POLY_MODULUS_DEGREE // 2
 
 
 def secret_context(n_threads: int | None = None) -> ts.Context:
-    """A fresh CKKS context with the spec's parameters, secret key included."""
+    """A fresh CKKS context with the module's parameters, secret key included."""
     context = ts.context(
         ts.SCHEME_TYPE.CKKS,
         poly_modulus_degree=POLY_MODULUS_DEGREE,
@@ -124,8 +124,8 @@ class CKKSServer(AggregatingServer):
 
 
 class CKKSAggregation(EncryptedAggregation):
-    """CKKS-encrypted (weighted) FedAvg with a key authority (spec §5, TenSEAL); ``sum`` is
-    the ``SecureSum`` entry point, ``weighted_sum`` the weighted variant.
+    """CKKS-encrypted (weighted) FedAvg with a key authority (Cheon et al. 2017; TenSEAL);
+    ``sum`` is the ``SecureSum`` entry point, ``weighted_sum`` the weighted variant.
 
     ``clip``: coordinates are clipped to [-clip, clip] (8.0 as for the other protocols;
     CKKS itself only needs values well below 2^19 with these parameters);

@@ -112,13 +112,13 @@ class PaillierServer(AggregatingServer):
 
 
 class PaillierAggregation(EncryptedAggregation):
-    """Paillier-encrypted (weighted) FedAvg with slot packing and a key authority (spec §5);
+    """Paillier-encrypted (weighted) FedAvg with slot packing and a key authority (Paillier 1999);
     ``sum`` is the ``SecureSum`` entry point, ``weighted_sum`` the weighted variant.
 
     ``clip``: coordinates are clipped to [-clip, clip] (8.0, as SecAgg's and Flower's
     default, so that switching protocols keeps the clipping; the error does not depend on it,
     a larger clip only widens the slots); ``frac_bits``: f fractional bits
-    (16: spec's measured setting, mean error <= 2^-17); ``key_bits``: 2048 default (112-bit),
+    (16: mean error <= 2^-17); ``key_bits``: 2048 default (112-bit),
     1024 for tests only, 3072 for 128-bit; ``max_clients`` (K) and ``max_weight`` (w_max)
     size the slots: a round may sum at most K uploads with integer weights <= w_max (1 for
     the unweighted :meth:`sum`; set it to the largest n_k for :meth:`weighted_sum`);

@@ -1,5 +1,6 @@
-"""The round protocol shared by the homomorphic-encryption aggregators (spec §5): roles,
-messages, the key authority's policy and the round driver.
+"""The round protocol shared by the homomorphic-encryption aggregators
+(docs/secure_aggregation.md, "Protocol details"): roles, messages, the key authority's policy
+and the round driver.
 
 Three roles exchange explicit messages: clients encrypt under the key authority's public key
 and upload to the server; the server combines ciphertexts and asks the key authority (KA) to
@@ -10,7 +11,7 @@ decryption (:class:`DecryptionPolicy`). Every message is recorded in a
 ``client:<id>``; stages ``public_key``, ``upload``, ``decryption``), so a test can check who
 saw what. The KA cannot verify that the declared contributors really are in the ciphertext:
 a server colluding with the KA, or one that sends a single client's ciphertext with a made-up
-contributor list, defeats it (spec §5, Key custody).
+contributor list, defeats it (docs/secure_aggregation.md, "Protocol details").
 
 :class:`EncryptedAggregation` runs one round (``SecureSum.sum`` and a weighted variant); the
 backends (Paillier: ``encrypted_fedavg``; CKKS: ``ckks``) supply the three roles and the sizes.
@@ -117,8 +118,9 @@ class DecryptionRecord:
 
 
 class DecryptionPolicy:
-    """The KA's rules (spec §5): one decryption per round, only of requests declaring at
-    least ``min_contributors`` distinct clients; every decryption is logged."""
+    """The KA's rules (docs/secure_aggregation.md): one decryption per round, only of
+    requests declaring at least ``min_contributors`` distinct clients; every decryption is
+    logged."""
 
     def __init__(self, min_contributors: int) -> None:
         if min_contributors < 1:

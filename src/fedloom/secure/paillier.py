@@ -4,7 +4,7 @@ See docs/secure_aggregation.md. Nothing here is FedAvg-specific, so the vertical
 (secure linear regression, SecureBoost) reuse the same helpers:
 
 - :func:`generate_keypair` (``phe``; with ``gmpy2`` installed ``phe`` uses it on its own);
-- :class:`FixedPoint`: clip to [-c, c], q = round(x·2^f) + round(c·2^f) >= 0 (the spec's
+- :class:`FixedPoint`: clip to [-c, c], q = round(x·2^f) + round(c·2^f) >= 0 (equal to
   q = round((x + c)·2^f) whenever c·2^f is an integer), and decoding of (weighted) sums;
 - :func:`slot_bits` and :class:`SlotPacking`: S slots of b bits per plaintext, with
   b = q_bits + ⌈log2(K·w_max)⌉ + 1 and S = ⌊(bits(n) − 2)/b⌋, so a sum of K encodings each
@@ -40,7 +40,7 @@ PrivateKey = paillier.PaillierPrivateKey
 Ciphertext = paillier.EncryptedNumber
 
 DEFAULT_KEY_BITS = 2048
-"""112-bit security (spec §5: 1024 for tests only, 3072 for 128-bit)."""
+"""112-bit security (NIST SP 800-57; 1024 for tests only, 3072 for 128-bit)."""
 
 _MAX_VALUE_BITS = 62  # encodings live in int64 arrays
 
@@ -84,7 +84,7 @@ def public_key_bytes(public_key: PublicKey) -> int:
 
 @dataclass(frozen=True)
 class FixedPoint:
-    """Fixed-point encoding of floats in [-clip, clip] as non-negative integers (spec §5).
+    """Fixed-point encoding of floats in [-clip, clip] as non-negative integers.
 
     ``encode``: q = round(clip(x)·2^f) + offset with offset = round(clip·2^f), so
     0 <= q <= 2·offset < 2^value_bits. A sum of encodings with integer weights w_k decodes as
@@ -118,7 +118,7 @@ class FixedPoint:
 
     @property
     def value_bits(self) -> int:
-        """q_bits = f + ⌈log2 2c⌉ + 1 (spec §5), widened if rounding ever needs more."""
+        """q_bits = f + ⌈log2 2c⌉ + 1, widened if rounding ever needs more."""
         spec_bits = self.frac_bits + math.ceil(math.log2(2 * self.clip)) + 1
         return max(spec_bits, (2 * self.offset).bit_length(), 1)
 

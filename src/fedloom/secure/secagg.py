@@ -37,7 +37,7 @@ from fedloom.secure.secagg_round import MaskedSum, SecAggRound
 from fedloom.secure.transcript import Transcript
 
 SecAggAbort = SecureAggregationAbort
-"""The spec's name for ``SecureAggregationAbort``."""
+"""A shorter name for ``SecureAggregationAbort``."""
 
 _QUANTIZE, _GRAPH = 1, 2  # purpose codes of the (seed, round, client, purpose) streams
 

@@ -44,7 +44,8 @@ class VerticalPartition(_Strict):
     """Column ranges [start, end) per party; party 0 (the guest) holds the labels."""
     rows: list[list[int]] | None = None
     """ftl only: [[a0, a1], [b0, b1]]: source A's and target B's rows (after the seeded
-    permutation); they must overlap (default [[0, 400], [200, 569]], the spec's example)."""
+    permutation); they must overlap (default [[0, 400], [200, 569]], the worked example of
+    docs/vertical.md)."""
     labelled_rows: list[int] | None = None
     """ftl only: [c0, c1] inside the overlap: the overlap rows whose label enters L_1."""
 
@@ -58,8 +59,8 @@ class VerticalDataConfig(_Strict):
     standardize_target: bool = True
     """Regression: train on the standardised target (RMSE is reported in its own units)."""
     scale_on: Literal["train", "all"] = "train"
-    """ftl only: fit the scaler on the training rows (default) or on all rows (the spec's
-    worked example)."""
+    """ftl only: fit the scaler on the training rows (default) or on all rows (the worked
+    example of docs/vertical.md)."""
 
 
 class _Algorithm(_Strict):
@@ -67,7 +68,7 @@ class _Algorithm(_Strict):
 
 
 class VerticalLinearConfig(_Algorithm):
-    """Secure vertical linear regression (Yang et al. 2019; spec §1)."""
+    """Secure vertical linear regression (Yang et al., ACM TIST 2019, arXiv:1902.04885, Table 1)."""
 
     name: Literal["vertical_linear"] = "vertical_linear"
     protocol: Literal["three_party", "two_party"] = "three_party"
@@ -80,7 +81,7 @@ class VerticalLinearConfig(_Algorithm):
 
 
 class VerticalLogisticConfig(VerticalLinearConfig):
-    """Secure vertical logistic regression with Hardy et al.'s Taylor loss (spec §1)."""
+    """Secure vertical logistic regression with Hardy et al.'s Taylor loss (arXiv:1711.10677)."""
 
     name: Literal["vertical_logistic"] = "vertical_logistic"  # type: ignore[assignment]
     lr: float = Field(default=0.5, gt=0.0)
@@ -88,7 +89,7 @@ class VerticalLogisticConfig(VerticalLinearConfig):
 
 
 class SecureBoostConfig(_Algorithm):
-    """SecureBoost with XGBoost's parameter names (Cheng et al.; spec §2)."""
+    """SecureBoost with XGBoost's parameter names (Cheng et al. 2021, arXiv:1901.08755)."""
 
     name: Literal["secureboost"] = "secureboost"
     n_trees: int = Field(default=10, ge=1)
@@ -105,7 +106,7 @@ class SecureBoostConfig(_Algorithm):
 
 
 class FTLConfig(_Algorithm):
-    """Federated transfer learning (Liu et al.; spec §3)."""
+    """Federated transfer learning (Liu et al., IEEE Intelligent Systems 2020, arXiv:1812.03337)."""
 
     name: Literal["ftl"] = "ftl"
     protocol: Literal["ahe", "secret_sharing"] = "ahe"

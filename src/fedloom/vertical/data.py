@@ -165,9 +165,10 @@ def load_vertical(
 
 @dataclass
 class TransferData:
-    """Federated transfer learning's layout (spec §3): source A's rows with labels ±1, target
-    B's rows, the overlap as pairs (A row, B row), which overlap pairs carry a label (D_c),
-    and B-only test rows with their true labels (for evaluation only; B never sees them)."""
+    """Federated transfer learning's layout (Liu et al. 2020): source A's rows with labels
+    ±1, target B's rows, the overlap as pairs (A row, B row), which overlap pairs carry a
+    label (D_c), and B-only test rows with their true labels (for evaluation only; B never
+    sees them)."""
 
     x_a: np.ndarray
     y_a: np.ndarray
@@ -192,8 +193,8 @@ def transfer_split(
     """Rows permuted with ``RandomState(seed)``; A = rows_a with columns[0] and labels,
     B = rows_b with columns[1]; the overlap is rows_a ∩ rows_b, D_c the overlap rows in
     ``labelled_rows``; B's rows outside A are the test rows. ``scale_on``: fit the scaler on
-    the training rows (A ∪ overlap; the issue's rule) or on ``all`` rows (the spec's worked
-    example)."""
+    the training rows (A ∪ overlap; the issue's rule) or on ``all`` rows (the worked
+    example of docs/vertical.md)."""
     from sklearn.preprocessing import StandardScaler
 
     a0, a1 = rows_a

@@ -5,13 +5,13 @@ tested against, and the pieces they share.
 Source A holds x^A and labels y ∈ {−1, +1} for its N_A rows; target B holds x^B. The overlap
 D_AB pairs rows of A and B; D_c ⊆ D_AB are the overlap pairs whose label enters the loss.
 Representations u = tanh(x W) ∈ R^d (one layer per party), Φ^A = (1/N_A) Σ_{D_A} y_i u_i^A,
-φ_i = Φ^A·u_i^B, prediction sign(φ). Objective (mean-reduced, as the spec's worked example):
+φ_i = Φ^A·u_i^B, prediction sign(φ). Objective (mean-reduced, as docs/vertical.md states it):
 
   L = (1/N_c) Σ_{D_c} (log 2 − ½ y_i φ_i + ⅛ φ_i²) + (γ/N_AB) Σ_{D_AB} ‖u_i^A − u_i^B‖²
       + (λ/2)(‖W_A‖² + ‖W_B‖²),
 
 the logistic loss log(1 + e^{−yφ}) replaced by its second-order Taylor expansion at 0, and
-ℓ_2 = ‖u^A‖² + ‖u^B‖² + κ u^A·u^B with κ = −2. Components (spec §3):
+ℓ_2 = ‖u^A‖² + ‖u^B‖² + κ u^A·u^B with κ = −2. Components (Taylor-approximated):
   ∂L/∂u_i^B = (1/N_c)(−½ y_i + ¼ φ_i) Φ^A [i ∈ D_c] + (γ/N_AB)(2u_i^B + κ u_i^A) [i ∈ D_AB],
   ∂L/∂u_k^A = (y_k/N_A)(1/N_c) Σ_{i∈D_c} (−½ y_i + ¼ φ_i) u_i^B
               + (γ/N_AB)(2u_k^A + κ u_k^B) [k ∈ D_AB],

@@ -254,8 +254,9 @@ def _plain(a: EncryptedArray) -> np.ndarray:
 
 
 class PaillierBackend(HEBackend):
-    """Paillier with fixed-point encoding (spec §1). ``keypair``: the key owner's pair (can
-    decrypt); ``public_key``: anyone else's view of that key. ``mask_random``: the source of
+    """Paillier (Eurocrypt 1999) with fixed-point encoding (docs/vertical.md, "Encoding and
+    masks"). ``keypair``: the key owner's pair (can decrypt); ``public_key``: anyone else's
+    view of that key. ``mask_random``: the source of
     masks (``secrets`` unless a test passes a seeded ``random.Random``); ``zero_masks``: a
     debug hook that makes every mask 0 (tests only: then the key holder sees g itself)."""
 

@@ -7,7 +7,7 @@ Three encodings, one interface:
 - ``plain`` (the plaintext path): float g, h; float64 sums (``np.bincount``).
 - ``paillier`` unpacked: [[round(g·2^p)]], [[round(h·2^p)]] as signed fixed-point integers
   under the guest's key (one common exponent: phe's per-value exponents made root histograms
-  12x slower, spec §2 pitfall); each bucket sum travels as its own ciphertext.
+  12x slower); each bucket sum travels as its own ciphertext.
 - ``paillier`` packed (SecureBoost+ (a) and (b)): one plaintext per instance,
   m_i = round((g_i + g_off)·2^p)·2^{b_h} + round(h_i·2^p), b_h = p + ⌈log2 n⌉ + 1, so a bucket
   sum holds Σh in its low b_h bits and Σ(g + g_off) above; the host then compresses S bucket

@@ -102,8 +102,9 @@ class FeatureParty(_DataParty):
     def score_ciphertexts(
         self, backend: HEBackend, loss: QuadraticLoss, rows: np.ndarray
     ) -> tuple[EncryptedArray, EncryptedArray, np.ndarray]:
-        """[[u^A]] and [[s·L_A]] = [[a Σ (u^A)² + s·λ/2 ‖Θ_A‖²]] (spec step 2; losses travel
-        multiplied by the public s and are divided after decryption), and u^A."""
+        """[[u^A]] and [[s·L_A]] = [[a Σ (u^A)² + s·λ/2 ‖Θ_A‖²]] (A → B, Yang et al.
+        2019, Table 1; losses travel multiplied by the public s and are divided after
+        decryption), and u^A."""
         u = self.scores(rows=rows)
         reg = 0.5 * self.reg_lambda * float(self.theta @ self.theta)
         l_a = loss.a * float(u @ u) + len(rows) * reg
@@ -139,7 +140,7 @@ class LabelParty(_DataParty):
     def residuals(
         self, backend: HEBackend, loss: QuadraticLoss, u_a: EncryptedArray, rows: np.ndarray
     ) -> EncryptedArray:
-        """[[d]] = 2a ⊗ [[u^A]] ⊕ (2a u^B + b) (spec step 3)."""
+        """[[d]] = 2a ⊗ [[u^A]] ⊕ (2a u^B + b) (Yang et al. 2019, Table 1)."""
         scaled = u_a if loss.a == 0.5 else backend.mul_plain(u_a, 2 * loss.a)
         return backend.add_plain(scaled, self.residual_part(loss, rows))
 
@@ -151,8 +152,8 @@ class LabelParty(_DataParty):
         l_a: EncryptedArray,
         rows: np.ndarray,
     ) -> EncryptedArray:
-        """[[s·L]] = [[s·L_A]] ⊕ Σ_i (2a u^B_i + b_i) ⊗ [[u^A_i]] ⊕ plain part (spec step 3);
-        whoever decrypts it divides by the public s."""
+        """[[s·L]] = [[s·L_A]] ⊕ Σ_i (2a u^B_i + b_i) ⊗ [[u^A_i]] ⊕ plain part (Yang et al.
+        2019, Table 1); whoever decrypts it divides by the public s."""
         s = len(rows)
         u_b, y = self.scores(rows=rows), self.y[rows]
         cross = backend.matmul_plain(loss.residual_part(u_b, y)[None, :], u_a)
