@@ -1,5 +1,5 @@
 """The cold-start curves: how each algorithm serves clients that never trained (issue #5;
-seed 004, first article 4.2 and 5.4: a new client's accuracy after 0, 1, 5, 20 local steps).
+docs/cold_start.md: a new client's accuracy after 0, 1, 5, 20 local steps).
 
 Setup: tests/algorithms/pfl_setup.py's Fashion-MNIST shards (2 label shards per client, the 2NN,
 20 local steps of batch 32, 10 clients per round) with 25 clients, of which

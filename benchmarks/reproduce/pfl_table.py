@@ -1,6 +1,7 @@
-"""The personalization table: every personalized algorithm (seed 000's weak-consensus family,
-FedPer, FedAvg + fine-tuning, local-only, and seed 004's meta-learning, decoupled,
-function-space and label-shift algorithms) on one Fashion-MNIST setup, in one process.
+"""The personalization table: every personalized algorithm (the weak-consensus family: L2SGD,
+pFedMe, Ditto, APFL, pFedMac, FPFC, FedCR; FedPer, FedAvg + fine-tuning, local-only, and the
+meta-learning, decoupled, function-space and label-shift algorithms) on one Fashion-MNIST
+setup, in one process.
 
 Setup (tests/algorithms/pfl_setup.py): 20 clients with 2 label shards each, 10 sampled per round,
 the 2NN, 20 local steps of batch 32, 20 rounds. For each algorithm: global accuracy (its global
