@@ -353,8 +353,16 @@ class EngineContender(Contender):
         self.times: list[float] = []
 
     def warmup(self) -> float:
-        """An untimed round (on ``warmup_clients`` clients) that leaves the state unchanged."""
+        """An untimed round (on ``warmup_clients`` clients) that leaves the state unchanged.
+        Auto decides first, on the timed rounds' shape (every client), as a run's first round
+        does: deciding on the warm-up's few clients would keep a choice made for another
+        shape."""
         engine, k = self.engine, self.data.workload.warmup_clients
+        executor = engine.executor
+        if executor.name == "auto" and getattr(executor, "choice", "") is None:
+            tasks = engine.tasks_for_round(1, engine.train_ids)
+            message = engine.algorithm.server_message(self.st.server)
+            executor.choice = executor.choose(engine.algorithm, message, tasks)
         with threads(self.threads):
             start = time.perf_counter()
             if k is None:  # a throwaway copy of the state
@@ -422,7 +430,7 @@ class EngineContender(Contender):
         """Seconds of the engine's evaluation of every client (global and deployed models)."""
         with threads(self.threads):
             start = time.perf_counter()
-            self.engine.evaluation.evaluate(self.engine, self.st, self.rounds)
+            self.engine.evaluation.evaluate(self.engine.context(), self.st, self.rounds)
             return time.perf_counter() - start
 
 

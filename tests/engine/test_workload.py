@@ -92,7 +92,7 @@ def test_dropped_stragglers_send_nothing_and_are_not_aggregated():
 
 
 def test_every_client_dropped_keeps_the_server_model(monkeypatch):
-    from fedloom.engine import loop
+    from fedloom.engine import workload
 
     def everyone_drops(seed, round, clients, full, fraction, mode):
         return [0] * len(clients)
@@ -100,7 +100,7 @@ def test_every_client_dropped_keeps_the_server_model(monkeypatch):
     cfg = config("fedavg", "mlp", {"kind": "sequential"}, 16)
     cfg["train"]["rounds"] = 2
     init = fedloom.run({**cfg, "train": {**cfg["train"], "rounds": 1}}, write=False, progress=False)
-    monkeypatch.setattr(loop, "straggler_steps", everyone_drops)
+    monkeypatch.setattr(workload, "straggler_steps", everyone_drops)
     result = fedloom.run(cfg, write=False, progress=False)
     assert all(row["reported"] == 0 for row in result.history)
     assert result.history[-1]["train_loss"] is None

@@ -92,7 +92,7 @@ def load_finished_run(
             UserWarning,
             stacklevel=2,
         )
-    row, deployed = engine.evaluation.evaluate(engine, state, state.round)
+    row, deployed = engine.evaluation.evaluate(engine.context(), state, state.round)
     keys = set(engine.model.param_keys)
 
     def split(tree: Tree) -> Model:

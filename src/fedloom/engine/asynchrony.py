@@ -29,22 +29,20 @@ lasts as long as its slowest reporting client.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fedloom.algorithms import Algorithm
-from fedloom.config import AsynchronyConfig, SpeedsConfig
+from fedloom.config import AsynchronyConfig, RunConfig, SpeedsConfig
 from fedloom.core import pytree
 from fedloom.core.protocol import ClientResult, ClientTask, Message
-from fedloom.engine.callbacks import Callback
 from fedloom.engine.clock import Speeds, config_staleness
+from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.nonfinite import DivergenceError, screen
 from fedloom.engine.sampling import sample_clients
 from fedloom.engine.state import RoundReport, RunState
-
-if TYPE_CHECKING:
-    from fedloom.engine.loop import Engine
+from fedloom.engine.workload import client_tasks
 
 CLOCK = "clock"
 """Metrics rows' and summary.json's key of the virtual time."""
@@ -54,13 +52,13 @@ Job = dict[str, Any]
 the run state's checkpoint holds it (engine/checkpoint.py)."""
 
 
-def make_timing(engine: Engine) -> SyncClock | AsyncServer | None:
-    """The run's clock: None for a synchronous run without ``asynchrony.speeds``."""
-    cfg = engine.config.asynchrony
-    ids = list(engine.training.data)
-    speeds = Speeds(cfg.speeds or SpeedsConfig(), engine.config.seed, ids)
+def make_timing(config: RunConfig, ids: list[int]) -> SyncClock | AsyncServer | None:
+    """The run's clock over the training clients ``ids``: None for a synchronous run without
+    ``asynchrony.speeds``."""
+    cfg = config.asynchrony
+    speeds = Speeds(cfg.speeds or SpeedsConfig(), config.seed, ids)
     if cfg.kind != "none":
-        return AsyncServer(cfg, speeds, engine.config.train.clients_per_round or len(ids))
+        return AsyncServer(cfg, speeds, config.train.clients_per_round or len(ids))
     return SyncClock(speeds) if cfg.speeds is not None else None
 
 
@@ -71,13 +69,13 @@ class SyncClock(Callback):
     def __init__(self, speeds: Speeds) -> None:
         self.speeds = speeds
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         times = [self.speeds.duration(t.client_id, report.round, len(t.plan)) for t in report.tasks]
         state.asynchrony[CLOCK] = state.asynchrony.get(CLOCK, 0.0) + max(times, default=0.0)
-        report.metrics[CLOCK] = state.asynchrony[CLOCK]
+        return {CLOCK: state.asynchrony[CLOCK]}
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
-        summary[CLOCK] = state.asynchrony.get(CLOCK, 0.0)
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
+        return {CLOCK: state.asynchrony.get(CLOCK, 0.0)}
 
 
 class AsyncServer(Callback):
@@ -107,10 +105,9 @@ class AsyncServer(Callback):
             s.setdefault(key, value)
         return s
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
         s = self.state_of(state)
-        summary[CLOCK] = s[CLOCK]
-        summary["asynchrony"] = {
+        asynchrony = {
             "kind": self.config.kind,
             "concurrency": self.concurrency,
             "updates": s["applied"],
@@ -118,20 +115,21 @@ class AsyncServer(Callback):
             "staleness_mean": s["staleness_sum"] / s["applied"] if s["applied"] else None,
             "staleness_max": s["staleness_max"],
         }
+        return {CLOCK: s[CLOCK], "asynchrony": asynchrony}
 
     # -- one server step --------------------------------------------------------------------
-    def train_round(self, engine: Engine, round: int, state: RunState) -> RoundReport:
+    def train_round(self, ctx: RunContext, round: int, state: RunState) -> RoundReport:
         """Advance the clock until the server takes its next step (round ``round``)."""
         tick, s = time.perf_counter(), self.state_of(state)
         up, down = state.bytes_up, state.bytes_down
-        message = engine.algorithm.server_message(state.server, round)
+        message = ctx.algorithm.server_message(state.server, round)
         lost = 0  # arrivals of non-finite results (train.nonfinite: drop) in this step
         while True:
-            self.dispatch(engine, state)
+            self.dispatch(ctx, state)
             job = min(s["in_flight"], key=lambda j: (j["finish"], j["event"], j["client"]))
             s["in_flight"].remove(job)
             s[CLOCK] = job["finish"]
-            applied = self.arrive(engine, state, job)
+            applied = self.arrive(ctx, state, job)
             if applied:
                 break
             lost += job["delta"] is None
@@ -141,31 +139,21 @@ class AsyncServer(Callback):
                     "(train.nonfinite: drop) and the server cannot step; lower train.lr"
                 )
         staleness = [s["version"] - j["version"] for j in applied]
-        state.server = engine.algorithm.aggregate(state.server, self.rebased(state, applied))
+        state.server = ctx.algorithm.aggregate(state.server, self.rebased(state, applied))
         s["version"] += 1
         s["applied"] += len(applied)
         s["staleness_sum"] += sum(staleness)
         s["staleness_max"] = max(s["staleness_max"], *staleness)
         assert s["version"] == round, (s["version"], round)
-        state.mechanisms = engine.mechanisms.state_dict()
+        state.mechanisms = ctx.mechanisms.state_dict()
         state.round = round
-        cfg = engine.config
+        cfg = ctx.config
         report = RoundReport(
             round,
             [j["client"] for j in applied],
             message,
-            [self.task(engine, j) for j in applied],
-            [
-                ClientResult(
-                    {"delta": j["delta"]["params"]},
-                    j["weight"],
-                    j["loss"],
-                    info=j["info"],
-                    client_id=j["client"],
-                    round=j["event"],
-                )
-                for j in applied
-            ],
+            [self.task(ctx, j) for j in applied],
+            [self.reported(j) for j in applied],
             state.bytes_up - up,
             state.bytes_down - down,
             time.perf_counter() - tick,
@@ -181,22 +169,34 @@ class AsyncServer(Callback):
         return report
 
     @staticmethod
-    def task(engine: Engine, job: Job) -> ClientTask:
-        """The work order ``job`` ran (its minibatch plan made again from its stream)."""
-        c, data = job["client"], engine.training.data[job["client"]]
-        plan = engine.algorithm.ctx.make_plan(data, job["steps"], "batches", job["event"], c)
-        return ClientTask(c, data, plan, engine.config.train.lr, job["event"], full=job["steps"])
+    def reported(job: Job) -> ClientResult:
+        """What the round's report shows of an applied job: its delta, weight, loss, info."""
+        return ClientResult(
+            {"delta": job["delta"]["params"]},
+            job["weight"],
+            job["loss"],
+            info=job["info"],
+            client_id=job["client"],
+            round=job["event"],
+        )
 
-    def dispatch(self, engine: Engine, state: RunState) -> None:
+    @staticmethod
+    def task(ctx: RunContext, job: Job) -> ClientTask:
+        """The work order ``job`` ran (its minibatch plan made again from its stream)."""
+        c, data = job["client"], ctx.training.data[job["client"]]
+        plan = ctx.algorithm.ctx.make_plan(data, job["steps"], "batches", job["event"], c)
+        return ClientTask(c, data, plan, ctx.config.train.lr, job["event"], full=job["steps"])
+
+    def dispatch(self, ctx: RunContext, state: RunState) -> None:
         """Fill the free slots with idle clients, sent the current model; they train now (one
         executor call) and arrive later on the clock. Arrivals due at the current time come
         first: nothing is dispatched while one is pending."""
-        s, algorithm, cfg = state.asynchrony, engine.algorithm, engine.config
+        s, algorithm, cfg = state.asynchrony, ctx.algorithm, ctx.config
         flight = s["in_flight"]
         if any(j["finish"] <= s[CLOCK] for j in flight):
             return
         busy = {j["client"] for j in flight}
-        idle = [c for c in engine.training.data if c not in busy]
+        idle = [c for c in ctx.training.data if c not in busy]
         free = min(self.concurrency - len(flight), len(idle))
         if free <= 0:
             return
@@ -204,20 +204,21 @@ class AsyncServer(Callback):
         event = s["events"]
         clients = sample_clients(cfg.seed, event, idle, free)
         message = algorithm.server_message(state.server, s["version"] + 1)
-        message = engine.mechanisms.broadcast(message)  # compression.download: as decoded
+        message = ctx.mechanisms.broadcast(message)  # compression.download: as decoded
         new = [c for c in clients if c not in state.clients]
         state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
-        engine.mechanisms.start_round(event, message)
-        tasks = engine.tasks_for_round(event, clients)
-        results = engine.executor.run_round(
+        ctx.mechanisms.start_round(event, message)
+        tasks = client_tasks(
+            cfg.train, cfg.seed, ctx.training.data, algorithm.ctx.make_plan, event, clients
+        )
+        results = ctx.executor.run_round(
             algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
         )
         if algorithm.communicates:  # as encoded when compression is on, as in synchronous rounds
             down = algorithm.download_bytes(message, clients)
-            state.bytes_down += engine.mechanisms.download_bytes(down)
+            state.bytes_down += ctx.mechanisms.download_bytes(down)
         sizes = [
-            engine.mechanisms.send_upload(event, r) if algorithm.communicates else 0
-            for r in results
+            ctx.mechanisms.send_upload(event, r) if algorithm.communicates else 0 for r in results
         ]
         kept = screen(tasks, results, event, algorithm.config.model_dump(), cfg.train)
         state.dropped_nonfinite += len(kept.dropped)
@@ -236,7 +237,7 @@ class AsyncServer(Callback):
             }
             result = finished.get(c)
             if result is not None:
-                for transform in engine.upload_transforms:
+                for transform in ctx.upload_transforms:
                     result.upload = transform(result.upload, c, event)
                 job.update(self.payload(algorithm, message, result))
             flight.append(job)
@@ -257,7 +258,7 @@ class AsyncServer(Callback):
             out["model"] = {key: dict(upload[key]) for key in ("params", "buffers")}
         return out
 
-    def arrive(self, engine: Engine, state: RunState, job: Job) -> list[Job]:
+    def arrive(self, ctx: RunContext, state: RunState, job: Job) -> list[Job]:
         """A job reaches the server: its upload counted, its client's state stored; returns
         the updates of the server step it completes (none while FedBuff's buffer fills)."""
         s = state.asynchrony

@@ -1,12 +1,14 @@
 """What happens around the round loop, one callback each: evaluation, training-health
 monitoring, privacy accounting, the metrics log (metrics.jsonl, trackers, progress), checkpoints,
 the cold-start curve. The engine calls them in order after every round and at the start and end
-of the run (pfl-research's callbacks around a short loop)."""
+of the run (pfl-research's callbacks around a short loop); each reads the read-only run context
+and returns the metrics and summary.json entries it adds (the contract: engine/context.py)."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from fedloom.core import pytree
 from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.core.rng import generator, seed_for
 from fedloom.engine.cold_start import adaptation_curve
+from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.evaluation import evaluate_pooled
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.engine.monitoring import (
@@ -29,25 +32,6 @@ from fedloom.engine.progress import RoundProgress
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.tracking import Tracker, make_trackers
 
-if TYPE_CHECKING:
-    from fedloom.engine.loop import Engine
-
-
-class Callback:
-    """Hooks around the round loop; each does nothing unless overridden."""
-
-    def on_run_start(self, engine: Engine, state: RunState) -> None:
-        pass
-
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
-        pass
-
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
-        pass
-
-    def on_failure(self, engine: Engine) -> None:
-        """The run stopped on an error (after ``on_run_start``)."""
-
 
 class Evaluation(Callback):
     """The global model on every client's held-out data (pooled) and each client's deployed
@@ -59,30 +43,32 @@ class Evaluation(Callback):
         self.global_counts: list[EvalCounts] = []
         """The global model on each client's held-out data at the latest evaluation."""
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
-        if report.evaluate:
-            row, self.deployed = self.evaluate(engine, state, report.round)
-            report.metrics.update(row)
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
+        if not report.evaluate:
+            return {}
+        row, self.deployed = self.evaluate(ctx, state, report.round)
+        return row
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
         if not self.deployed:  # resumed at the very end: evaluate once to report client models
-            _, self.deployed = self.evaluate(engine, state, state.round)
+            _, self.deployed = self.evaluate(ctx, state, state.round)
+        return {}
 
     def evaluate(
-        self, engine: Engine, state: RunState, round: int
+        self, ctx: RunContext, state: RunState, round: int
     ) -> tuple[dict[str, Any], dict[int, pytree.Tree]]:
-        algorithm, server, data = engine.algorithm, state.server, engine.data
+        algorithm, server, data = ctx.algorithm, state.server, ctx.data
         classification = data.task == "classification"
-        batch = engine.config.eval.batch_size
+        batch = ctx.config.eval.batch_size
         row: dict[str, Any] = {"global": None}
         global_model = algorithm.global_model(server)
         global_counts: list[EvalCounts] = []
         if global_model is not None:
-            global_counts = evaluate_pooled(engine.model, *global_model, data.clients, batch)
+            global_counts = evaluate_pooled(ctx.model, *global_model, data.clients, batch)
             row["global"] = pooled(global_counts, classification)
         self.global_counts = global_counts
         deployed: dict[int, pytree.Tree] = {}
-        for key, ids in (("personalized", engine.train_ids), ("new_clients", engine.new_ids)):
+        for key, ids in (("personalized", ctx.train_ids), ("new_clients", ctx.new_ids)):
             if not ids:
                 continue
             counts: list[EvalCounts | None] = []
@@ -92,8 +78,8 @@ class Evaluation(Callback):
                 s if s is not None else algorithm.init_client_state(server, c)
                 for c, s in zip(ids, known, strict=True)
             ]
-            tasks = [ClientTask(c, data.clients[c], [], engine.config.train.lr, round) for c in ids]
-            models = engine.executor.deployed_models(algorithm, server, states, tasks)
+            tasks = [ClientTask(c, data.clients[c], [], ctx.config.train.lr, round) for c in ids]
+            models = ctx.executor.deployed_models(algorithm, server, states, tasks)
             for cid, (params, buffers) in zip(ids, models, strict=True):
                 deployed[cid] = {**params, **buffers}
                 if global_model is not None and params is global_model[0]:
@@ -102,7 +88,7 @@ class Evaluation(Callback):
                     counts.append(None)
                     pending.append((len(counts) - 1, (params, buffers)))
             if pending:
-                evaluated = engine.executor.evaluate(
+                evaluated = ctx.executor.evaluate(
                     [m for _, m in pending], [data.clients[ids[i]] for i, _ in pending], batch
                 )
                 for (i, _), c in zip(pending, evaluated, strict=True):
@@ -111,29 +97,29 @@ class Evaluation(Callback):
             row[key] = client_quantiles(done, classification)
             if key == "personalized" and classification:
                 row["client_accuracy"] = [c.accuracy if c.n else None for c in done]
-        if engine.validation is not None:
-            row["validation"] = self.validate(engine, global_model, deployed)
+        if ctx.validation is not None:
+            row["validation"] = self.validate(ctx, global_model, deployed)
         return row, deployed
 
     @staticmethod
     def validate(
-        engine: Engine,
+        ctx: RunContext,
         global_model: tuple[pytree.Tree, pytree.Tree] | None,
         deployed: dict[int, pytree.Tree],
     ) -> dict[str, Any]:
         """The ``validation`` entry (eval.validation_fraction): the global model on all
         validation sets pooled, each training client's deployed model on its own."""
-        assert engine.validation is not None
-        classification = engine.data.task == "classification"
-        batch = engine.config.eval.batch_size
+        assert ctx.validation is not None
+        classification = ctx.data.task == "classification"
+        batch = ctx.config.eval.batch_size
         out: dict[str, Any] = {"global": None}
-        ids = [c for c in engine.train_ids if engine.validation[c].num_test]
+        ids = [c for c in ctx.train_ids if ctx.validation[c].num_test]
         if global_model is not None:
             counts = evaluate_pooled(
-                engine.model, *global_model, [engine.validation[c] for c in ids], batch
+                ctx.model, *global_model, [ctx.validation[c] for c in ids], batch
             )
             out["global"] = pooled(counts, classification)
-        keys = set(engine.model.param_keys)
+        keys = set(ctx.model.param_keys)
         models = [
             (
                 {k: v for k, v in deployed[c].items() if k in keys},
@@ -142,7 +128,7 @@ class Evaluation(Callback):
             for c in ids
         ]
         if models:
-            counts = engine.executor.evaluate(models, [engine.validation[c] for c in ids], batch)
+            counts = ctx.executor.evaluate(models, [ctx.validation[c] for c in ids], batch)
             out["personalized"] = client_quantiles(counts, classification)
         return out
 
@@ -156,59 +142,59 @@ class HealthMonitor(Callback):
         self.heterogeneity: dict[str, Any] | None = None
         self._sample: dict[int, ClientData] | None = None
 
-    def on_run_start(self, engine: Engine, state: RunState) -> None:
-        clients = dict(enumerate(engine.data.clients))
+    def on_run_start(self, ctx: RunContext, state: RunState) -> None:
+        clients = dict(enumerate(ctx.data.clients))
         report: dict[str, Any] = {"feature_js": feature_js(clients)}
-        if engine.data.task == "classification":
-            report["label_kl"] = label_kl(clients, engine.data.num_outputs)
-        if engine.run_dir is not None:
-            engine.run_dir.write_json(HETEROGENEITY_FILE, report)
+        if ctx.data.task == "classification":
+            report["label_kl"] = label_kl(clients, ctx.data.num_outputs)
+        if ctx.run_dir is not None:
+            ctx.run_dir.write_json(HETEROGENEITY_FILE, report)
         self.heterogeneity = report
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         if not report.evaluate:
-            return
+            return {}
         tick = time.perf_counter()
         deltas = {
-            t.client_id: engine.algorithm.client_delta(report.message, r)
+            t.client_id: ctx.algorithm.client_delta(report.message, r)
             for t, r in zip(report.tasks, report.results, strict=True)
         }
         health = update_statistics(
-            {c: d for c, d in deltas.items() if d is not None}, engine.config.monitor.clients
+            {c: d for c, d in deltas.items() if d is not None}, ctx.config.monitor.clients
         )
-        model = engine.algorithm.global_model(state.server)
-        if engine.config.monitor.gradient_dissimilarity and model is not None:
-            stream = seed_for(engine.config.seed, "monitor")
-            with engine.model.random_stream(stream, report.round, -1):
-                health["zeta2"] = gradient_dissimilarity(engine.model, *model, self.sample(engine))
-        report.metrics["monitor"] = health
-        report.monitor_seconds += time.perf_counter() - tick
+        model = ctx.algorithm.global_model(state.server)
+        if ctx.config.monitor.gradient_dissimilarity and model is not None:
+            stream = seed_for(ctx.config.seed, "monitor")
+            with ctx.model.random_stream(stream, report.round, -1):
+                health["zeta2"] = gradient_dissimilarity(ctx.model, *model, self.sample(ctx))
+        return {"monitor": health, "seconds": {"monitor": time.perf_counter() - tick}}
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
         assert self.heterogeneity is not None
 
         def mean(values: dict[str, float] | None) -> float | None:
             return sum(values.values()) / len(values) if values else None
 
         zeta = [r["monitor"]["zeta2"] for r in state.history if "zeta2" in r.get("monitor", {})]
-        summary["heterogeneity"] = {
+        heterogeneity = {
             "label_kl_mean": mean(self.heterogeneity.get("label_kl")),
             "feature_js_mean": mean(self.heterogeneity.get("feature_js")),
             "zeta2_last": zeta[-1] if zeta else None,
         }
+        return {"heterogeneity": heterogeneity}
 
-    def sample(self, engine: Engine) -> dict[int, ClientData]:
+    def sample(self, ctx: RunContext) -> dict[int, ClientData]:
         """The fixed sample zeta^2 is measured on: up to ``monitor.clients`` training clients,
         each with up to ``monitor.gradient_samples`` of its training samples."""
         if self._sample is None:
-            seed, cfg = engine.config.seed, engine.config.monitor
-            ids = list(engine.train_ids)
+            seed, cfg = ctx.config.seed, ctx.config.monitor
+            ids = list(ctx.train_ids)
             if len(ids) > cfg.clients:
                 order = torch.randperm(len(ids), generator=generator(seed, "monitor"))
                 ids = sorted(ids[i] for i in order[: cfg.clients].tolist())
             self._sample = {}
             for c in ids:
-                data = engine.data.clients[c]
+                data = ctx.data.clients[c]
                 keep = torch.randperm(data.num_train, generator=generator(seed, "monitor", 0, c))
                 keep = keep[: cfg.gradient_samples] if cfg.gradient_samples else keep
                 self._sample[c] = ClientData(
@@ -225,14 +211,14 @@ class PrivacyAccounting(Callback):
     def __init__(self, sources: list[Any]) -> None:
         self.sources = sources
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         if not report.evaluate:
-            return
+            return {}
         for source in self.sources:
             spent = getattr(source, "privacy_spent", None)
             if callable(spent):
-                report.metrics["privacy"] = dict(spent())
-                return
+                return {"privacy": dict(spent())}
+        return {}
 
 
 class SecureAggregationLog(Callback):
@@ -242,9 +228,8 @@ class SecureAggregationLog(Callback):
     def __init__(self, secure: Any) -> None:
         self.secure = secure
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
-        if report.evaluate:
-            report.metrics["secure_aggregation"] = self.secure.progress()
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
+        return {"secure_aggregation": self.secure.progress()} if report.evaluate else {}
 
 
 class AttackReport(Callback):
@@ -258,39 +243,38 @@ class AttackReport(Callback):
         self.attack = mechanisms.config.attack
         self.last: dict[str, Any] = {}
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         if not report.evaluate:
-            return
-        classification = engine.data.task == "classification"
-        benign = [c for c in engine.train_ids if c not in self.malicious]
+            return {}
+        classification = ctx.data.task == "classification"
+        benign = [c for c in ctx.train_ids if c not in self.malicious]
         row: dict[str, Any] = {"malicious": len(self.malicious)}
-        counts = engine.evaluation.global_counts
+        counts = ctx.evaluation.global_counts
         if counts:
             row["benign_global"] = pooled([counts[c] for c in benign], classification)
         accuracy = report.metrics.get("client_accuracy")
-        if accuracy and len(accuracy) == len(engine.train_ids):
-            by_client = dict(zip(engine.train_ids, accuracy, strict=True))
+        if accuracy and len(accuracy) == len(ctx.train_ids):
+            by_client = dict(zip(ctx.train_ids, accuracy, strict=True))
             for name, ids in (("benign", benign), ("malicious", sorted(self.malicious))):
                 values = [by_client[c] for c in ids if by_client[c] is not None]
                 row[f"{name}_personalized_mean"] = sum(values) / len(values) if values else None
-        global_model = engine.algorithm.global_model(state.server)
+        global_model = ctx.algorithm.global_model(state.server)
         if self.attack.kind == "backdoor" and global_model is not None:
             trigger = self.attack.trigger
-            value = trigger.value if trigger.value is not None else trigger_value(engine.data)
+            value = trigger.value if trigger.value is not None else trigger_value(ctx.data)
             row["backdoor_success"] = backdoor_success(
-                engine.model,
+                ctx.model,
                 *global_model,
-                [engine.data.clients[c] for c in benign],
+                [ctx.data.clients[c] for c in benign],
                 self.attack.target,
                 trigger.size,
                 value,
             )
-        report.metrics["attack"] = row
         self.last = row
+        return {"attack": row}
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
-        if self.last:
-            summary["final"]["attack"] = self.last
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
+        return {"final": {"attack": self.last}} if self.last else {}
 
 
 class MetricsLog(Callback):
@@ -303,32 +287,33 @@ class MetricsLog(Callback):
         self.bar: RoundProgress | None = None
         self._start = 0.0
 
-    def on_run_start(self, engine: Engine, state: RunState) -> None:
-        cfg, run_dir = engine.config, engine.run_dir
-        name = run_dir.path.name if run_dir else f"{engine.algorithm.name}-{engine.data.name}"
+    def on_run_start(self, ctx: RunContext, state: RunState) -> None:
+        cfg, run_dir = ctx.config, ctx.run_dir
+        name = run_dir.path.name if run_dir else f"{ctx.algorithm.name}-{ctx.data.name}"
         self.trackers = make_trackers(cfg, run_dir.path if run_dir else None, name)
         self.bar = RoundProgress(cfg.train.rounds, state.round, enabled=self.progress)
         self.bar.__enter__()
         self._start = time.perf_counter() - state.elapsed
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         assert self.bar is not None
         state.elapsed = time.perf_counter() - self._start
         if report.evaluate:
             row = self.row(state, report)
             state.history.append(row)
-            if engine.run_dir:
-                engine.run_dir.append_metrics(row)
+            if ctx.run_dir:
+                ctx.run_dir.append_metrics(row)
             for tracker in self.trackers:
                 tracker.log(row)
             self.bar.show_metrics(row)
         self.bar.advance()
+        return {}
 
     @staticmethod
     def row(state: RunState, report: RoundReport) -> dict[str, Any]:
         info = report.client_info()
         measured = dict(report.metrics)
-        timed = measured.pop("seconds", {})  # callbacks' own timings (contribution evaluation)
+        timed = dict(measured.pop("seconds", {}))  # callbacks' own (monitor, contribution)
         return {
             "round": report.round,
             "wall_seconds": state.elapsed,
@@ -346,18 +331,18 @@ class MetricsLog(Callback):
             },
             "seconds": {
                 "round": report.train_seconds,
-                "monitor": report.monitor_seconds,
+                "monitor": timed.pop("monitor", 0.0),
                 **timed,
             },
         }
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
+    def on_summary(self, ctx: RunContext, summary: Mapping[str, Any]) -> None:
         self._close()
         for tracker in self.trackers:
-            tracker.close(summary)
+            tracker.close(dict(summary))
         self.trackers = []
 
-    def on_failure(self, engine: Engine) -> None:
+    def on_failure(self, ctx: RunContext) -> None:
         self._close()
         for tracker in self.trackers:  # a run that failed: close them as such
             tracker.close(None, failed=True)
@@ -373,31 +358,33 @@ class Checkpointing(Callback):
     """The run state every ``checkpoint.every`` rounds and after the last one (run
     directories only; engine/checkpoint.py writes it)."""
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
-        every, run_dir = engine.config.checkpoint.every, engine.run_dir
-        last = report.round == engine.config.train.rounds
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
+        every, run_dir = ctx.config.checkpoint.every, ctx.run_dir
+        last = report.round == ctx.config.train.rounds
         if run_dir and every and (report.round % every == 0 or last):
-            state.executor_choice = getattr(engine.executor, "choice", None)
-            run_dir.save_checkpoint(report.round, state.checkpoint(), engine.config.checkpoint.keep)
+            state.executor_choice = getattr(ctx.executor, "choice", None)
+            run_dir.save_checkpoint(report.round, state.checkpoint(), ctx.config.checkpoint.keep)
+        return {}
 
 
 class ColdStart(Callback):
     """Accuracy of the held-out new clients vs fine-tuning steps (engine/cold_start.py), into
     summary.json's ``cold_start``."""
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
-        if not engine.new_ids:
-            return
-        cfg, algorithm = engine.config, engine.algorithm
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
+        if not ctx.new_ids:
+            return {}
+        cfg, algorithm = ctx.config, ctx.algorithm
         lr = cfg.eval.adapt_lr or algorithm.adaptation_lr() or cfg.train.lr
-        summary["cold_start"] = adaptation_curve(
+        curve = adaptation_curve(
             algorithm,
             state.server,
-            {c: engine.data.clients[c] for c in engine.new_ids},
+            {c: ctx.data.clients[c] for c in ctx.new_ids},
             cfg.eval.adaptation_steps,
             lr,
             cfg.train.rounds,
             cfg.eval.batch_size,
-            engine.data.task == "classification",
-            batched=engine.executor.batches_clients,
+            ctx.data.task == "classification",
+            batched=ctx.executor.batches_clients,
         )
+        return {"cold_start": curve}

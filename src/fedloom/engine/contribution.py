@@ -20,26 +20,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-import torch
-from torch.func import vmap
+from typing import Any
 
 from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, State
 from fedloom.core.rng import numpy_rng
-from fedloom.engine.callbacks import Callback
+from fedloom.engine.context import Callback, RunContext
+from fedloom.engine.evaluation import evaluate_each, evaluate_shared
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.errors import ConfigError, RoundAborted
 from fedloom.incentives.baselines import NEEDS_CONTRIBUTION, SCHEMES
 from fedloom.incentives.book import IncentiveBook
 from fedloom.incentives.costs import CostModel
 from fedloom.incentives.shapley import CachedGame, Coalition, Convergence, Valuation, estimate
-
-if TYPE_CHECKING:
-    from fedloom.engine.loop import Engine
 
 STATE_KEY = "incentives"
 """The key of this module's state in ``RunState.mechanisms`` (checkpointed with the run)."""
@@ -58,77 +53,30 @@ def evaluate_models(
     chunk_size: int = 16,
 ) -> list[tuple[float, float]]:
     """(mean loss, accuracy) of each model on ``data``'s held-out part: ``chunk_size`` models
-    per vmapped forward over the same batches (no copies of the data per model); one model at
-    a time for a module ``vmap`` cannot batch (the same numbers, slower)."""
+    per vmapped forward over the same batches (engine/evaluation.py, evaluate_shared); one
+    model at a time for a module ``vmap`` cannot batch (the same numbers, slower)."""
     try:
-        return _evaluate_vmapped(model, models, data, batch_size, chunk_size)
+        counts = evaluate_shared(model, list(models), data, batch_size, chunk_size)
     except (RuntimeError, NotImplementedError):  # e.g. a fused RNN kernel without a batch rule
-        n = max(data.num_test, 1)
-        return [
-            (loss / n, correct / n)
-            for loss, correct, _ in (
-                model.evaluate(p, b, data.x_test, data.y_test, batch_size) for p, b in models
-            )
-        ]
-
-
-def _evaluate_vmapped(
-    model: FunctionalModel,
-    models: Sequence[Model],
-    data: ClientData,
-    batch_size: int,
-    chunk_size: int,
-) -> list[tuple[float, float]]:
-    classification = model.task == "classification"
-
-    def one(
-        params: pytree.Tree, buffers: pytree.Tree, x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = model.forward(params, buffers, x)
-        loss = model.per_sample_loss(out, y).sum()
-        correct = (out.argmax(-1) == y).sum() if classification else loss * 0
-        return loss, correct
-
-    batched = vmap(one, in_dims=(0, 0, None, None))
-    n, out = data.num_test, []
-    model.module.eval()
-    try:
-        with torch.no_grad():
-            for lo in range(0, len(models), chunk_size):
-                part = models[lo : lo + chunk_size]
-                params = {k: torch.stack([m[0][k] for m in part]) for k in part[0][0]}
-                buffers = {k: torch.stack([m[1][k] for m in part]) for k in part[0][1]}
-                device = next(iter(params.values())).device  # where the server keeps its model
-                loss = torch.zeros(len(part), dtype=torch.float64)
-                correct = torch.zeros(len(part), dtype=torch.float64)
-                for start in range(0, n, batch_size):
-                    xb, yb = (
-                        data.x_test[start : start + batch_size],
-                        data.y_test[start : start + batch_size],
-                    )
-                    lb, cb = batched(params, buffers, xb.to(device), yb.to(device))
-                    loss += lb.double().cpu()
-                    correct += cb.double().cpu()
-                out += [(float(loss[j]) / n, float(correct[j]) / n) for j in range(len(part))]
-    finally:
-        model.module.train()
-    return out
+        counts = evaluate_each(model, list(models), [data] * len(models), batch_size)
+    n = max(data.num_test, 1)
+    return [(c.loss_sum / n, c.correct / n) for c in counts]
 
 
 class RoundGame:
     """The game of one round: v(S) from the server state before the round's server step and
     the round's uploads (a coalition is a sorted tuple of client ids)."""
 
-    def __init__(self, engine: Engine, server: State, results: Sequence[ClientResult]) -> None:
-        self.engine = engine
+    def __init__(self, ctx: RunContext, server: State, results: Sequence[ClientResult]) -> None:
+        self.ctx = ctx
         self.server = server
         self.results = {r.client_id: r for r in results}
-        self.metric = engine.config.contribution.metric
+        self.metric = ctx.config.contribution.metric
 
     def model(self, coalition: Coalition) -> Model:
         """The global model the server step builds from ``coalition``'s uploads (the model
         before the round for the empty coalition, or when the step cannot be taken)."""
-        algorithm = self.engine.algorithm
+        algorithm = self.ctx.algorithm
         server = self.server
         if coalition:
             try:
@@ -146,18 +94,18 @@ class RoundGame:
         """v of each coalition, their models built and evaluated ``CHUNK`` at a time (exact
         Shapley's 2^n never all in memory); the mechanisms' state (a robust rule's counters)
         restored."""
-        engine = self.engine
-        pool = engine.validation_pool
+        ctx = self.ctx
+        pool = ctx.validation_pool
         assert pool is not None  # the engine holds one out when contribution is on
-        batch = engine.config.eval.batch_size
+        batch = ctx.config.eval.batch_size
         values: list[float] = []
         for lo in range(0, len(coalitions), CHUNK):
-            saved = engine.mechanisms.state_dict()
+            saved = ctx.mechanisms.state_dict()
             try:
                 models = [self.model(c) for c in coalitions[lo : lo + CHUNK]]
             finally:
-                engine.mechanisms.load_state_dict(saved)
-            scores = evaluate_models(engine.model, models, pool, batch, CHUNK)
+                ctx.mechanisms.load_state_dict(saved)
+            scores = evaluate_models(ctx.model, models, pool, batch, CHUNK)
             values += [self.score(*m) for m in scores]
         return values
 
@@ -217,26 +165,23 @@ class ContributionAndIncentives(Callback):
         return cls(config)
 
     # -- the run ---------------------------------------------------------------------------
-    def on_run_start(self, engine: Engine, state: RunState) -> None:
+    def on_run_start(self, ctx: RunContext, state: RunState) -> None:
         if self.valuing:
-            if engine.algorithm.global_model(state.server) is None:
+            if ctx.algorithm.global_model(state.server) is None:
                 raise ConfigError(
                     f"contribution.kind: {self.config.contribution.kind} values clients by "
-                    f"the global model; {engine.algorithm.name} has none"
+                    f"the global model; {ctx.algorithm.name} has none"
                 )
-            assert engine.validation_pool is not None
-            if (
-                self.config.contribution.metric == "accuracy"
-                and engine.data.task != "classification"
-            ):
+            assert ctx.validation_pool is not None
+            if self.config.contribution.metric == "accuracy" and ctx.data.task != "classification":
                 raise ConfigError(
                     "contribution.metric: accuracy needs a classification task; use loss"
                 )
         per_client = self.config.incentive.cost.per_client
-        if per_client is not None and len(per_client) < len(engine.train_ids):
+        if per_client is not None and len(per_client) < len(ctx.train_ids):
             raise ConfigError(
                 f"incentive.cost.per_client: {len(per_client)} costs for "
-                f"{len(engine.train_ids)} training clients: give one per client"
+                f"{len(ctx.train_ids)} training clients: give one per client"
             )
         self._reset()
         saved = state.mechanisms.get(STATE_KEY)
@@ -244,7 +189,7 @@ class ContributionAndIncentives(Callback):
             self.load_state_dict(saved)
 
     def before_server_step(
-        self, engine: Engine, round: int, state: RunState, results: list[ClientResult]
+        self, ctx: RunContext, round: int, state: RunState, results: list[ClientResult]
     ) -> None:
         """Value the round's participants (a valued round), from the server state before the
         server step."""
@@ -253,7 +198,7 @@ class ContributionAndIncentives(Callback):
             return
         tick = time.perf_counter()
         cfg = self.config.contribution
-        game = RoundGame(engine, state.server, results)
+        game = RoundGame(ctx, state.server, results)
         cached = CachedGame(game, game.many)
         players = sorted(r.client_id for r in results)
         rng = numpy_rng(self.config.seed, "contribution", round)
@@ -277,19 +222,21 @@ class ContributionAndIncentives(Callback):
         self.seconds += seconds
         self.pending_seconds += seconds
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         if self.book is not None and report.results:
-            self.pay(engine, report)
+            self.pay(ctx, report)
+        row: dict[str, Any] = {}
         if report.evaluate:
-            report.metrics.update(self.row())
+            row = self.row()
             self.pending = {"contribution": {}, "incentive": {}}
             self.pending_seconds = 0.0
         state.mechanisms[STATE_KEY] = self.state_dict()  # checkpointed with the run
+        return row
 
-    def pay(self, engine: Engine, report: RoundReport) -> None:
+    def pay(self, ctx: RunContext, report: RoundReport) -> None:
         """Every scheme pays this round's budget to the round's participants."""
         assert self.book is not None
-        communicates = engine.algorithm.communicates
+        communicates = ctx.algorithm.communicates
         cost: dict[int, float] = {}
         samples: dict[int, float] = {}
         for task, result in zip(report.tasks, report.results, strict=True):
@@ -327,7 +274,8 @@ class ContributionAndIncentives(Callback):
             }
         return out
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
         if self.valuing:
             cfg = self.config.contribution
             summary["contribution"] = {
@@ -349,6 +297,7 @@ class ContributionAndIncentives(Callback):
                 "sub_rounds": self.book.sub_rounds,
                 **self.book.summary(),
             }
+        return summary
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

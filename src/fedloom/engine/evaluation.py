@@ -3,7 +3,7 @@ C at a time under ``vmap`` (the personalized evaluation PFL runs do every few ro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.func import vmap
@@ -15,6 +15,9 @@ from fedloom.core.stacked import StackedModel
 from fedloom.engine.metrics import EvalCounts
 
 Model = tuple[Tree, Tree]
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Inputs, targets and each sample's weight (0: padding)."""
 
 
 def evaluate_each(
@@ -67,8 +70,84 @@ def evaluate_stacked(
 ) -> list[EvalCounts]:
     """Same numbers as :func:`evaluate_each`, computed ``chunk_size`` clients per vmapped call
     over test sets padded to a common length (padding has weight 0)."""
-    dev = device or torch.device("cpu")
+
+    def batches(part: range) -> Iterator[Batch]:
+        longest = max((datas[i].num_test for i in part), default=0)
+        for start in range(0, longest, batch_size):
+            width = min(batch_size, longest - start)
+            yield _padded_slice([datas[i] for i in part], start, width)
+
+    sums = vmapped_sums(model, models, batches, chunk_size, device or torch.device("cpu"))
     classification = model.task == "classification"
+    return [
+        EvalCounts(loss, correct if classification else 0.0, d.num_test)
+        for (loss, correct), d in zip(sums, datas, strict=True)
+    ]
+
+
+def evaluate_shared(
+    model: FunctionalModel, models: list[Model], data: ClientData, batch_size: int, chunk_size: int
+) -> list[EvalCounts]:
+    """Many models (contribution evaluation's coalition models) on one held-out set:
+    ``chunk_size`` models per vmapped forward over the same batches, no copies of the data per
+    model; on the device the models live on."""
+
+    def batches(part: range) -> Iterator[Batch]:
+        for start in range(0, data.num_test, batch_size):
+            x = data.x_test[start : start + batch_size]
+            yield x, data.y_test[start : start + batch_size], torch.ones(x.shape[0])
+
+    device = next(iter(models[0][0].values())).device if models else torch.device("cpu")
+    sums = vmapped_sums(model, models, batches, chunk_size, device, shared=True)
+    return [EvalCounts(loss, correct, data.num_test) for loss, correct in sums]
+
+
+def vmapped_sums(
+    model: FunctionalModel,
+    models: list[Model],
+    batches: Callable[[range], Iterable[Batch]],
+    chunk_size: int,
+    device: torch.device,
+    shared: bool = False,
+) -> list[tuple[float, float]]:
+    """The one vmapped evaluator: (summed loss, correct predictions) of each model, its
+    parameters stacked ``chunk_size`` models at a time, over the weighted batches (x, y, w)
+    that ``batches(chunk)`` yields, one per model (a leading model axis) or, ``shared``, one
+    for all of them. A module with a stacked form (core/stacked.py) runs without ``vmap``."""
+    classification = model.task == "classification"
+    stacked = None if shared else model.stacked()
+    if stacked is not None:
+        batched = _stacked_counts(model, stacked, classification)
+    else:
+        dims = (0, 0, None, None, None) if shared else 0
+        batched = vmap(_weighted_counts(model, classification), in_dims=dims)
+    out: list[tuple[float, float]] = []
+    model.module.eval()
+    try:
+        with torch.no_grad():
+            for lo in range(0, len(models), chunk_size):
+                part = range(lo, min(lo + chunk_size, len(models)))
+                params, buffers = (_stacked([models[i][j] for i in part], device) for j in (0, 1))
+                loss = torch.zeros(len(part), dtype=torch.float64)
+                correct = torch.zeros(len(part), dtype=torch.float64)
+                for xb, yb, wb in batches(part):
+                    lb, cb = batched(params, buffers, xb.to(device), yb.to(device), wb.to(device))
+                    loss += lb.double().cpu()
+                    correct += cb.double().cpu()
+                out += [(float(loss[j]), float(correct[j])) for j in range(len(part))]
+    finally:
+        model.module.train()
+    return out
+
+
+def _stacked(trees: list[Tree], device: torch.device) -> Tree:
+    return {k: torch.stack([t[k] for t in trees]).to(device) for k in trees[0]}
+
+
+def _weighted_counts(
+    model: FunctionalModel, classification: bool
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """One model's weighted loss sum and hits on one batch (what :func:`vmapped_sums` maps)."""
 
     def one(
         params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
@@ -78,38 +157,7 @@ def evaluate_stacked(
         correct = ((out.argmax(-1) == y).to(w.dtype) * w).sum() if classification else loss * 0
         return loss, correct
 
-    stacked = model.stacked()
-    batched = vmap(one) if stacked is None else _stacked_counts(model, stacked, classification)
-    counts: list[EvalCounts] = []
-    model.module.eval()
-    try:
-        with torch.no_grad():
-            for lo in range(0, len(models), chunk_size):
-                part = range(lo, min(lo + chunk_size, len(models)))
-                params = {
-                    k: torch.stack([models[i][0][k] for i in part]).to(dev) for k in models[lo][0]
-                }
-                buffers = {
-                    k: torch.stack([models[i][1][k] for i in part]).to(dev) for k in models[lo][1]
-                }
-                sizes = [datas[i].num_test for i in part]
-                loss = torch.zeros(len(part), dtype=torch.float64)
-                correct = torch.zeros(len(part), dtype=torch.float64)
-                for start in range(0, max(sizes, default=0), batch_size):
-                    width = min(batch_size, max(sizes) - start)
-                    xb, yb, wb = _padded_slice([datas[i] for i in part], start, width)
-                    lb, cb = batched(params, buffers, xb.to(dev), yb.to(dev), wb.to(dev))
-                    loss += lb.double().cpu()
-                    correct += cb.double().cpu()
-                counts += [
-                    EvalCounts(
-                        float(loss[j]), float(correct[j]) if classification else 0.0, sizes[j]
-                    )
-                    for j in range(len(part))
-                ]
-    finally:
-        model.module.train()
-    return counts
+    return one
 
 
 def _padded_slice(
@@ -131,7 +179,7 @@ def _padded_slice(
 def _stacked_counts(
     model: FunctionalModel, stacked: StackedModel, classification: bool
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The vmapped ``one`` of :func:`evaluate_stacked` on the stacked model (no ``vmap``)."""
+    """The vmapped :func:`_weighted_counts` on the stacked model (no ``vmap``)."""
 
     def counts(
         params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor

@@ -15,46 +15,27 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms import Algorithm, AlgorithmContext, ClientTask, build_algorithm
-from fedloom.config import RunConfig, check_client_counts
+from fedloom.algorithms import ClientTask
+from fedloom.config import RunConfig
 from fedloom.core import pytree
-from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData, ClientResult, Message
+from fedloom.core.protocol import ClientResult, Message
 from fedloom.data.federated import FederatedData
-from fedloom.data.missing import hide_features
-from fedloom.data.validation import hold_out_validation
-from fedloom.data.validation import pooled as pooled_validation
-from fedloom.engine.asynchrony import AsyncServer, make_timing
-from fedloom.engine.callbacks import (
-    AttackReport,
-    Callback,
-    Checkpointing,
-    ColdStart,
-    Evaluation,
-    HealthMonitor,
-    MetricsLog,
-    PrivacyAccounting,
-    SecureAggregationLog,
-)
-from fedloom.engine.contribution import ContributionAndIncentives
+from fedloom.engine.asynchrony import AsyncServer
+from fedloom.engine.build import EngineParts, build_parts
+from fedloom.engine.context import Callback, RunContext, merge
 from fedloom.engine.dropout import dropouts, uploads
-from fedloom.engine.factory import make_executor
-from fedloom.engine.mechanisms import Aggregator, Mechanisms, UploadTransform
+from fedloom.engine.mechanisms import Aggregator, UploadTransform
 from fedloom.engine.nonfinite import screen
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.sampling import TrainingClients
-from fedloom.engine.serving import ServingCopies
 from fedloom.engine.shell import base_summary, checkpoint_payload, due
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
-from fedloom.engine.workload import full_budget, straggler_steps
-from fedloom.errors import ConfigError, RoundAborted
+from fedloom.engine.workload import client_tasks
+from fedloom.errors import RoundAborted
 from fedloom.models.base import FedModel
-from fedloom.peft import build_peft_algorithm
 from fedloom.privacy import SampleLevelDP
 from fedloom.secure.base import DropStage
-from fedloom.solvers.local import PlanMaker
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +50,10 @@ class RunResult:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-class Engine:
-    """One run: the round loop (``train_round``) and the callbacks around it."""
+class Engine(EngineParts):
+    """One run: its parts (engine/build.py), the round loop (``train_round``) and the
+    callbacks around it, which see the parts as a read-only ``RunContext``
+    (engine/context.py)."""
 
     def __init__(
         self,
@@ -84,99 +67,23 @@ class Engine:
         callbacks: list[Callback] | None = None,
     ) -> None:
         """``callbacks`` run after the built-in evaluation, monitoring and privacy accounting
-        and before the metrics log and checkpoints (engine/callbacks.py)."""
-        self.config = config
+        and before the metrics log and checkpoints (engine/build.py, default_callbacks)."""
+        parts = build_parts(
+            config, data, module, progress, upload_transforms, aggregator, callbacks
+        )
+        super().__init__(**vars(parts))
         self.run_dir = run_dir
         self.progress = progress
-        self.model = FunctionalModel(module, data.task)
-        self.executor = make_executor(config.executor, self.model)
-        train = config.train
-        if config.data.num_clients != data.num_clients:  # else checked when parsed
-            check_client_counts(config, data.num_clients)
-        data = hide_features(data, config.data.missing, config.seed)  # data.missing: zeroed
-        new = config.eval.new_clients
-        self.train_ids = list(range(data.num_clients - new))
-        self.new_ids = list(range(data.num_clients - new, data.num_clients))
-        self.validation: list[ClientData] | None = None
-        """Each client's validation set (eval.validation_fraction; data/validation.py)."""
-        self.validation_pool: ClientData | None = None
-        """All of them as one: the server's held-out set."""
-        if config.validation_fraction() > 0:
-            data, self.validation = hold_out_validation(
-                data, config.validation_fraction(), config.seed, self.train_ids
-            )
-            self.validation_pool = pooled_validation(self.validation[: len(self.train_ids)])
-        self.mechanisms = Mechanisms(config, data, module, self.train_ids)
-        self.data = self.mechanisms.data  # the malicious clients' poisoned, if any
-        self.upload_transforms = self.mechanisms.upload_transforms(upload_transforms or [])
-        sample_dp = self.mechanisms.sample_dp
-        ctx = AlgorithmContext(
-            model=self.model,
-            seed=config.seed,
-            num_clients=data.num_clients,
-            lr=train.lr,
-            batch_size=train.batch_size,
-            aggregate=self.mechanisms.aggregator(aggregator),
-            make_plan=PlanMaker(config.seed, train.batch_size, poisson=sample_dp is not None),
-            rounds=train.rounds,
-            population={c: data.clients[c].num_train for c in self.train_ids},
-            sample_dp=sample_dp.dpsgd if sample_dp is not None else None,
-        )
-        self.algorithm: Algorithm = build_peft_algorithm(config, ctx) or build_algorithm(
-            config.algorithm, ctx
-        )  # PEFT strategies with their own server step (docs/peft.md), else the named one
-        program = self.algorithm.client_program()
-        if sample_dp is not None and getattr(program, "private", None) is None:
-            raise ConfigError(  # declared, but its program has a step of its own
-                f"privacy.kind: sample_dp: {self.algorithm.name}'s client program does not take "
-                "DP-SGD steps"
-            )
-        self.training = TrainingClients.view(
-            self.data,
-            self.train_ids,
-            train.clients_per_round,
-            self.algorithm.pooled,
-            poisson=self.mechanisms.poisson_clients,
-        )
-        self.evaluation = Evaluation()
-        self.timing = make_timing(self)
-        """The virtual clock (asynchrony.speeds) and asynchronous aggregation, when configured
-        (engine/asynchrony.py)."""
-        mechanisms = self.mechanisms
-        self.incentives = ContributionAndIncentives.build(config)
-        """Contribution evaluation and payments (engine/contribution.py), when configured."""
-        self.callbacks: list[Callback] = [
-            self.evaluation,
-            *([HealthMonitor()] if config.monitor.enabled else []),
-            PrivacyAccounting([mechanisms.privacy, *self.upload_transforms]),
-            *([SecureAggregationLog(mechanisms.secure)] if mechanisms.secure is not None else []),
-            *([AttackReport(mechanisms)] if mechanisms.malicious else []),
-            *([ServingCopies(config.serving)] if config.serving.enabled else []),
-            *(callbacks or []),
-            *([self.incentives] if self.incentives is not None else []),
-            *([self.timing] if self.timing is not None else []),
-            MetricsLog(progress),
-            Checkpointing(),
-            ColdStart(),
-        ]
 
-    # -- per-client work orders -----------------------------------------------------------
+    def context(self) -> RunContext:
+        """What the callbacks read (the current executor and run directory included)."""
+        return self.view(self.run_dir)
+
     def tasks_for_round(self, round: int, clients: list[int]) -> list[ClientTask]:
-        """Work orders of the clients that report back this round (dropped stragglers, with
-        ``train.straggler_mode: drop``, get none)."""
-        train, seed = self.config.train, self.config.seed
-        datas = [self.training.data[c] for c in clients]
-        full = [
-            full_budget(train, seed, round, c, d.num_train)
-            for c, d in zip(clients, datas, strict=True)
-        ]
-        steps = straggler_steps(seed, round, clients, full, train.stragglers, train.straggler_mode)
+        """Work orders of the clients that report back this round (engine/workload.py)."""
         make_plan = self.algorithm.ctx.make_plan
-        return [
-            ClientTask(c, d, make_plan(d, s, "batches", round, c), train.lr, round, full=f)
-            for c, d, s, f in zip(clients, datas, steps, full, strict=True)
-            if s > 0
-        ]
+        train, seed = self.config.train, self.config.seed
+        return client_tasks(train, seed, self.training.data, make_plan, round, clients)
 
     # -- the loop -------------------------------------------------------------------------
     def new_store(self) -> ClientStateStore:
@@ -211,8 +118,9 @@ class Engine:
                 with setup_frozen():
                     return self._run(resume)
             except BaseException:
+                ctx = self.context()
                 for callback in self.callbacks:
-                    callback.on_failure(self)
+                    callback.on_failure(ctx)
                 raise
             finally:
                 self.executor.close()
@@ -221,15 +129,18 @@ class Engine:
         """The round loop: train a round, then every callback (evaluation, monitoring, the
         metrics log, checkpoints ...) in order."""
         state = self.resumed_state() if resume else self.initial_state()
+        ctx = self.context()
         for callback in self.callbacks:
-            callback.on_run_start(self, state)
+            callback.on_run_start(ctx, state)
         for round in range(state.round + 1, self.config.train.rounds + 1):
             report = self.train_round(round, state)
-            for callback in self.callbacks:
-                callback.on_round_end(self, state, report)
+            for callback in self.callbacks:  # each sees the metrics of those before it
+                merge(report.metrics, callback.on_round_end(ctx, state, report))
         summary = self.summary(state)
         for callback in self.callbacks:
-            callback.on_run_end(self, state, summary)
+            merge(summary, callback.on_run_end(ctx, state))
+        for callback in self.callbacks:
+            callback.on_summary(ctx, summary)
         global_model = self.algorithm.global_model(state.server)
         return RunResult(
             summary=summary,
@@ -244,7 +155,7 @@ class Engine:
         """One round: sample, send, train (the executor), screen, transform and aggregate the
         uploads; ``state`` moves to the end of the round."""
         if isinstance(self.timing, AsyncServer):  # a round is one asynchronous server step
-            return self.timing.train_round(self, round, state)
+            return self.timing.train_round(self.context(), round, state)
         cfg, algorithm, tick = self.config, self.algorithm, time.perf_counter()
         clients = self.training.sample(cfg.seed, round)
         drops = dropouts(cfg.seed, round, clients, cfg.train.dropout)
@@ -302,7 +213,7 @@ class Engine:
         leaves the server's state as it was."""
         self.mechanisms.before_aggregate(round, message, results, drops)
         if self.incentives is not None:  # values the clients from the state before the step
-            self.incentives.before_server_step(self, round, state, results)
+            self.incentives.before_server_step(self.context(), round, state, results)
         try:
             state.server = self.algorithm.aggregate(state.server, results)
         except RoundAborted as err:

@@ -26,12 +26,11 @@ from safetensors.torch import save_file
 
 from fedloom.config import ServingConfig
 from fedloom.core import pytree
-from fedloom.engine.callbacks import Callback
+from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedloom.engine.loop import Engine
     from fedloom.engine.state import RoundReport, RunState
 
 SERVING_DIR = "serving"
@@ -80,15 +79,15 @@ class ServingCopies(Callback):
         self.key = "accuracy"
 
     # -- hooks ------------------------------------------------------------------------------
-    def on_run_start(self, engine: Engine, state: RunState) -> None:
-        classification = engine.data.task == "classification"
+    def on_run_start(self, ctx: RunContext, state: RunState) -> None:
+        classification = ctx.data.task == "classification"
         self.maximize, self.key = (True, "accuracy") if classification else (False, "loss")
         self.state = dict(state.serving)  # a resumed run continues from its checkpoint
         if self.config.route == "confidence":
-            check_routable(engine)
+            check_routable(ctx)
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
-        model = engine.algorithm.global_model(state.server)
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
+        model = ctx.algorithm.global_model(state.server)
         merged = {**model[0], **model[1]} if model is not None else None
         s = self.state
         if self.config.ema is not None and merged is not None:
@@ -103,13 +102,15 @@ class ServingCopies(Callback):
                 and self._better(value, s.get("best_value"))
             ):
                 s.update(best=_copy(merged), best_round=report.round, best_value=value)
-            self._keep_client_bests(engine, model, report.round)
+            self._keep_client_bests(ctx, model, report.round)
         state.serving = s
+        return {}
 
-    def on_run_end(self, engine: Engine, state: RunState, summary: dict[str, Any]) -> None:
-        summary["serving"] = self.summary(engine, state)
-        if engine.run_dir is not None:
-            self.write(engine, state, engine.run_dir.path / SERVING_DIR, summary)
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
+        summary = self.summary(ctx, state)
+        if ctx.run_dir is not None:
+            self.write(ctx, state, ctx.run_dir.path / SERVING_DIR, summary)
+        return {"serving": summary}
 
     # -- the copies -----------------------------------------------------------------------
     def _better(self, value: float, best: float | None) -> bool:
@@ -118,16 +119,16 @@ class ServingCopies(Callback):
         return value > best if self.maximize else value < best
 
     def _keep_client_bests(
-        self, engine: Engine, model: tuple[pytree.Tree, pytree.Tree] | None, round: int
+        self, ctx: RunContext, model: tuple[pytree.Tree, pytree.Tree] | None, round: int
     ) -> None:
         """Each client's deployed model when it beats that client's best on its own
         validation set (clients that deploy the global model have only the global best)."""
-        deployed = engine.evaluation.deployed
-        assert engine.validation is not None
-        ids = [c for c in personal_clients(deployed, model) if engine.validation[c].num_test]
+        deployed = ctx.evaluation.deployed
+        assert ctx.validation is not None
+        ids = [c for c in personal_clients(deployed, model) if ctx.validation[c].num_test]
         if not ids:
             return
-        keys = set(engine.model.param_keys)
+        keys = set(ctx.model.param_keys)
         models = [
             (
                 {k: v for k, v in deployed[c].items() if k in keys},
@@ -135,8 +136,8 @@ class ServingCopies(Callback):
             )
             for c in ids
         ]
-        counts = engine.executor.evaluate(
-            models, [engine.validation[c] for c in ids], engine.config.eval.batch_size
+        counts = ctx.executor.evaluate(
+            models, [ctx.validation[c] for c in ids], ctx.config.eval.batch_size
         )
         s = self.state
         bests = s.setdefault("clients_best", {})
@@ -157,19 +158,19 @@ class ServingCopies(Callback):
         }
 
     # -- summary and files ----------------------------------------------------------------
-    def summary(self, engine: Engine, state: RunState) -> dict[str, Any]:
+    def summary(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
         """summary.json's ``serving``: each kept copy with its round and test metrics (the
         global copies on the clients' pooled test sets, the client copies each on its own)."""
-        classification = engine.data.task == "classification"
-        batch = engine.config.eval.batch_size
-        keys = set(engine.model.param_keys)
+        classification = ctx.data.task == "classification"
+        batch = ctx.config.eval.batch_size
+        keys = set(ctx.model.param_keys)
 
         def on_test(tree: pytree.Tree) -> dict[str, float | None]:
             params = {k: v for k, v in tree.items() if k in keys}
             buffers = {k: v for k, v in tree.items() if k not in keys}
             counts = [
-                EvalCounts(*engine.model.evaluate(params, buffers, c.x_test, c.y_test, batch))
-                for c in (engine.data.clients[i] for i in engine.train_ids)
+                EvalCounts(*ctx.model.evaluate(params, buffers, c.x_test, c.y_test, batch))
+                for c in (ctx.data.clients[i] for i in ctx.train_ids)
             ]
             return pooled(counts, classification)
 
@@ -197,18 +198,19 @@ class ServingCopies(Callback):
                 )
                 for c in ids
             ]
-            counts = engine.executor.evaluate(models, [engine.data.clients[c] for c in ids], batch)
+            counts = ctx.executor.evaluate(models, [ctx.data.clients[c] for c in ids], batch)
             out["clients_best"] = {
                 "rounds": {str(c): s["clients_best_round"][c] for c in ids},
                 "test": client_quantiles(counts, classification),
             }
         return out
 
-    def write(self, engine: Engine, state: RunState, folder: Path, summary: dict[str, Any]) -> None:
-        """``serving/``: the final global and client models, the kept copies, serving.json."""
+    def write(self, ctx: RunContext, state: RunState, folder: Path, served: dict[str, Any]) -> None:
+        """``serving/``: the final global and client models, the kept copies, serving.json
+        (``served``: summary.json's ``serving``)."""
         folder.mkdir(parents=True, exist_ok=True)
-        model = engine.algorithm.global_model(state.server)
-        deployed = engine.evaluation.deployed
+        model = ctx.algorithm.global_model(state.server)
+        deployed = ctx.evaluation.deployed
         personal = personal_clients(deployed, model)  # the others deploy the global model
         trees: dict[str, dict[str, torch.Tensor] | None] = {
             "global": {**model[0], **model[1]} if model is not None else None,
@@ -229,32 +231,31 @@ class ServingCopies(Callback):
         meta = {
             "format": "fedloom-serving",
             "version": 1,
-            "task": engine.data.task,
-            "input_shape": list(engine.data.input_shape),
-            "num_outputs": engine.data.num_outputs,
-            "model": engine.config.model.name,
-            "param_keys": list(engine.model.param_keys),
-            "buffer_keys": list(engine.model.buffer_keys),
+            "task": ctx.data.task,
+            "input_shape": list(ctx.data.input_shape),
+            "num_outputs": ctx.data.num_outputs,
+            "model": ctx.config.model.name,
+            "param_keys": list(ctx.model.param_keys),
+            "buffer_keys": list(ctx.model.buffer_keys),
             "rounds": state.round,
             "files": written,
             "clients": sorted(deployed),
             "personal": personal,
-            "serving": summary.get("serving", {}),
+            "serving": served,
         }
         (folder / META_FILE).write_text(json.dumps(meta, indent=2))
 
 
-def check_routable(engine: Engine) -> None:
+def check_routable(ctx: RunContext) -> None:
     """Routing compares softmax confidences with a global model's: checked before round 1."""
-    if engine.data.task != "classification":
+    if ctx.data.task != "classification":
         raise ConfigError(
             "serving.route: confidence routes by softmax confidence: classification only "
-            f"({engine.data.name} is {engine.data.task})"
+            f"({ctx.data.name} is {ctx.data.task})"
         )
-    if not engine.algorithm.has_global_model:
+    if not ctx.algorithm.has_global_model:
         raise ConfigError(
-            f"serving.route: confidence routes to the global model; {engine.algorithm.name} "
-            "has none"
+            f"serving.route: confidence routes to the global model; {ctx.algorithm.name} has none"
         )
 
 

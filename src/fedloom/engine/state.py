@@ -93,8 +93,8 @@ class RoundReport:
     evaluate: bool
     """Whether this round is evaluated (``eval.every``, and the last round)."""
     metrics: dict[str, Any] = field(default_factory=dict)
-    """What the callbacks measured (evaluation, monitoring, privacy), merged into the row."""
-    monitor_seconds: float = 0.0
+    """What the callbacks measured (evaluation, monitoring, privacy), merged into the row
+    (the loop merges each callback's returned metrics here; engine/context.py)."""
 
     @property
     def train_loss(self) -> float | None:

@@ -17,9 +17,10 @@ import math
 import torch
 
 from fedloom.config import TrainConfig, WorkDistribution
+from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.core.rng import NO_ID, generator
 from fedloom.errors import ConfigError
-from fedloom.solvers.local import steps_per_epoch
+from fedloom.solvers.local import PlanMaker, steps_per_epoch
 
 
 def draw_work(spec: int | WorkDistribution, seed: int, round: int, client: int) -> int:
@@ -93,3 +94,27 @@ def straggler_steps(
         partial = int(torch.randint(1, max(1, full_steps[i]) + 1, (1,), generator=gen))
         steps[i] = partial if mode == "partial" else 0
     return steps
+
+
+def client_tasks(
+    train: TrainConfig,
+    seed: int,
+    datas: dict[int, ClientData],
+    make_plan: PlanMaker,
+    round: int,
+    clients: list[int],
+) -> list[ClientTask]:
+    """Work orders of the clients that report back in ``round`` (dropped stragglers, with
+    ``train.straggler_mode: drop``, get none): each client's budget, cut by straggling, as a
+    plan of minibatches."""
+    chosen = [datas[c] for c in clients]
+    full = [
+        full_budget(train, seed, round, c, d.num_train)
+        for c, d in zip(clients, chosen, strict=True)
+    ]
+    steps = straggler_steps(seed, round, clients, full, train.stragglers, train.straggler_mode)
+    return [
+        ClientTask(c, d, make_plan(d, s, "batches", round, c), train.lr, round, full=f)
+        for c, d, s, f in zip(clients, chosen, steps, full, strict=True)
+        if s > 0
+    ]

@@ -15,13 +15,12 @@ import optuna
 
 from fedloom.api import run as run_api
 from fedloom.config import RunConfig, parse_config
-from fedloom.engine.callbacks import Callback
+from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.nonfinite import DivergenceError
 from fedloom.errors import ConfigError
 from fedloom.tune.space import SearchSpace, apply_params, suggest
 
 if TYPE_CHECKING:
-    from fedloom.engine.loop import Engine
     from fedloom.engine.state import RoundReport, RunState
 
 
@@ -51,10 +50,10 @@ class TrialReporter(Callback):
         """Rounds trained so far (the resource this trial spent)."""
         self.values: list[tuple[int, float]] = []
 
-    def on_round_end(self, engine: Engine, state: RunState, report: RoundReport) -> None:
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         self.rounds = report.round
         if not report.evaluate:
-            return
+            return {}
         value = metric_value(report.metrics, self.metric)
         if value is None:
             raise ConfigError(
@@ -68,6 +67,7 @@ class TrialReporter(Callback):
         self.values.append((report.round, value))
         if self.trial.should_prune():
             raise optuna.TrialPruned(f"pruned at round {report.round}")
+        return {}
 
 
 class Objective:

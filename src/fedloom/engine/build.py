@@ -1,0 +1,221 @@
+"""What a horizontal run is built from, one small builder each: the clients' data as they train
+on it (hidden features, validation split; data/missing.py, data/validation.py), the mechanisms
+(engine/mechanisms.py), the algorithm, the training clients, and the callbacks in their order
+(engine/callbacks.py). ``Engine`` (engine/loop.py) is these parts plus the round loop; its
+callbacks see them as a read-only :class:`~fedloom.engine.context.RunContext`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedloom.algorithms import Algorithm, AlgorithmContext, build_algorithm
+from fedloom.config import RunConfig, check_client_counts
+from fedloom.core import pytree
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.protocol import ClientData
+from fedloom.data.federated import FederatedData
+from fedloom.data.missing import hide_features
+from fedloom.data.validation import hold_out_validation
+from fedloom.data.validation import pooled as pooled_validation
+from fedloom.engine.asynchrony import AsyncServer, SyncClock, make_timing
+from fedloom.engine.callbacks import (
+    AttackReport,
+    Checkpointing,
+    ColdStart,
+    Evaluation,
+    HealthMonitor,
+    MetricsLog,
+    PrivacyAccounting,
+    SecureAggregationLog,
+)
+from fedloom.engine.context import Callback, RunContext
+from fedloom.engine.contribution import ContributionAndIncentives
+from fedloom.engine.executor import Executor
+from fedloom.engine.factory import make_executor
+from fedloom.engine.mechanisms import Aggregator, Mechanisms, UploadTransform
+from fedloom.engine.rundir import RunDir
+from fedloom.engine.sampling import TrainingClients
+from fedloom.engine.serving import ServingCopies
+from fedloom.errors import ConfigError
+from fedloom.models.base import FedModel
+from fedloom.peft import build_peft_algorithm
+from fedloom.solvers.local import PlanMaker
+
+
+@dataclass
+class Held:
+    """The data after the validation split, and the split (None when not held out)."""
+
+    data: FederatedData
+    validation: list[ClientData] | None
+    pool: ClientData | None
+
+
+@dataclass(eq=False)
+class EngineParts:
+    """Everything one run's round loop works with, built by :func:`build_parts`."""
+
+    config: RunConfig
+    data: FederatedData
+    """The clients' data as they train on it (the malicious clients' poisoned, if any)."""
+    model: FunctionalModel
+    executor: Executor
+    algorithm: Algorithm
+    mechanisms: Mechanisms
+    upload_transforms: list[UploadTransform]
+    train_ids: list[int]
+    new_ids: list[int]
+    validation: list[ClientData] | None
+    """Each client's validation set (eval.validation_fraction; data/validation.py)."""
+    validation_pool: ClientData | None
+    """All training clients' validation sets as one: the server's held-out set."""
+    training: TrainingClients
+    evaluation: Evaluation
+    timing: SyncClock | AsyncServer | None
+    """The virtual clock (asynchrony.speeds) and asynchronous aggregation, when configured
+    (engine/asynchrony.py)."""
+    incentives: ContributionAndIncentives | None
+    """Contribution evaluation and payments (engine/contribution.py), when configured."""
+    callbacks: list[Callback]
+
+    def view(self, run_dir: RunDir | None) -> RunContext:
+        """The read-only view the callbacks get."""
+        return RunContext(
+            config=self.config,
+            data=self.data,
+            model=self.model,
+            algorithm=self.algorithm,
+            executor=self.executor,
+            run_dir=run_dir,
+            train_ids=tuple(self.train_ids),
+            new_ids=tuple(self.new_ids),
+            training=self.training,
+            validation=tuple(self.validation) if self.validation is not None else None,
+            validation_pool=self.validation_pool,
+            mechanisms=self.mechanisms,
+            upload_transforms=tuple(self.upload_transforms),
+            evaluation=self.evaluation,
+        )
+
+
+def build_parts(
+    config: RunConfig,
+    data: FederatedData,
+    module: FedModel,
+    progress: bool = False,
+    upload_transforms: list[UploadTransform] | None = None,
+    aggregator: Aggregator = pytree.weighted_average,
+    callbacks: list[Callback] | None = None,
+) -> EngineParts:
+    """The parts of a run of ``module`` on ``data`` under ``config``; ``callbacks`` run after
+    the built-in evaluation, monitoring and privacy accounting and before the metrics log and
+    checkpoints."""
+    model = FunctionalModel(module, data.task)
+    executor = make_executor(config.executor, model)
+    if config.data.num_clients != data.num_clients:  # else checked when parsed
+        check_client_counts(config, data.num_clients)
+    data = hide_features(data, config.data.missing, config.seed)  # data.missing: zeroed
+    new = config.eval.new_clients
+    train_ids = list(range(data.num_clients - new))
+    held = hold_out(config, data, train_ids)
+    mechanisms = Mechanisms(config, held.data, module, train_ids)
+    transforms = mechanisms.upload_transforms(upload_transforms or [])
+    algorithm = make_algorithm(config, model, held.data, mechanisms, train_ids, aggregator)
+    training = TrainingClients.view(
+        mechanisms.data,
+        train_ids,
+        config.train.clients_per_round,
+        algorithm.pooled,
+        poisson=mechanisms.poisson_clients,
+    )
+    evaluation = Evaluation()
+    timing = make_timing(config, list(training.data))
+    incentives = ContributionAndIncentives.build(config)
+    own = [c for c in (incentives, timing) if c is not None]
+    return EngineParts(
+        config=config,
+        data=mechanisms.data,
+        model=model,
+        executor=executor,
+        algorithm=algorithm,
+        mechanisms=mechanisms,
+        upload_transforms=transforms,
+        train_ids=train_ids,
+        new_ids=list(range(data.num_clients - new, data.num_clients)),
+        validation=held.validation,
+        validation_pool=held.pool,
+        training=training,
+        evaluation=evaluation,
+        timing=timing,
+        incentives=incentives,
+        callbacks=default_callbacks(
+            config, mechanisms, transforms, evaluation, progress, [*(callbacks or []), *own]
+        ),
+    )
+
+
+def hold_out(config: RunConfig, data: FederatedData, train_ids: list[int]) -> Held:
+    """Each client's validation split (``eval.validation_fraction``), when there is one."""
+    fraction = config.validation_fraction()
+    if fraction <= 0:
+        return Held(data, None, None)
+    data, validation = hold_out_validation(data, fraction, config.seed, train_ids)
+    return Held(data, validation, pooled_validation(validation[: len(train_ids)]))
+
+
+def make_algorithm(
+    config: RunConfig,
+    model: FunctionalModel,
+    data: FederatedData,
+    mechanisms: Mechanisms,
+    train_ids: list[int],
+    aggregator: Aggregator,
+) -> Algorithm:
+    """The configured algorithm (a PEFT strategy with its own server step, docs/peft.md, else
+    the named one) with the mechanisms' aggregation rule and sample-level DP."""
+    train, sample_dp = config.train, mechanisms.sample_dp
+    ctx = AlgorithmContext(
+        model=model,
+        seed=config.seed,
+        num_clients=data.num_clients,
+        lr=train.lr,
+        batch_size=train.batch_size,
+        aggregate=mechanisms.aggregator(aggregator),
+        make_plan=PlanMaker(config.seed, train.batch_size, poisson=sample_dp is not None),
+        rounds=train.rounds,
+        population={c: data.clients[c].num_train for c in train_ids},
+        sample_dp=sample_dp.dpsgd if sample_dp is not None else None,
+    )
+    algorithm = build_peft_algorithm(config, ctx) or build_algorithm(config.algorithm, ctx)
+    program = algorithm.client_program()
+    if sample_dp is not None and getattr(program, "private", None) is None:
+        raise ConfigError(  # declared, but its program has a step of its own
+            f"privacy.kind: sample_dp: {algorithm.name}'s client program does not take DP-SGD steps"
+        )
+    return algorithm
+
+
+def default_callbacks(
+    config: RunConfig,
+    mechanisms: Mechanisms,
+    transforms: list[UploadTransform],
+    evaluation: Evaluation,
+    progress: bool,
+    extra: list[Callback],
+) -> list[Callback]:
+    """The callbacks in their order: evaluation, monitoring, privacy accounting, secure
+    aggregation's counters, the attack report and the serving copies; then ``extra`` (the
+    caller's, contribution and incentives, the clock); then the metrics log, checkpoints and
+    the cold-start curve."""
+    return [
+        evaluation,
+        *([HealthMonitor()] if config.monitor.enabled else []),
+        PrivacyAccounting([mechanisms.privacy, *transforms]),
+        *([SecureAggregationLog(mechanisms.secure)] if mechanisms.secure is not None else []),
+        *([AttackReport(mechanisms)] if mechanisms.malicious else []),
+        *([ServingCopies(config.serving)] if config.serving.enabled else []),
+        *extra,
+        MetricsLog(progress),
+        Checkpointing(),
+        ColdStart(),
+    ]
