@@ -208,6 +208,7 @@ class PrivateOps:
     ) -> None:
         self._base = base  # underscored, as SealedBatch._batch: not for the step
         self.in_place = base.in_place
+        self.descend = base.descend  # the backend's own step: no data enters it
         self.dp = dp if calls == 1 else noisier(dp, calls)
         self._batch = batch
         self.sealed = SealedBatch(batch, refuse)
@@ -241,16 +242,6 @@ class PrivateOps:
 
     def value_and_grad_aux(self, f: Callable[..., Any], params: Tree, *args: Any) -> Any:
         raise self.refuse("takes a gradient through ops.value_and_grad_aux, which is not private")
-
-    def descend(
-        self,
-        params: Tree,
-        grads: Tree,
-        lr: float | torch.Tensor,
-        anchor: Tree | None = None,
-        mu: float = 0.0,
-    ) -> Tree:
-        return self._base.descend(params, grads, lr, anchor, mu)
 
 
 def noisier(dp: DPSGD, calls: int) -> DPSGD:
