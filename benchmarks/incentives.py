@@ -128,7 +128,7 @@ def round_tables(
     grab = _Tables()
     module = build_model("mlp", data.input_shape, data.num_outputs)
     engine = Engine(cfg, data, module, callbacks=[grab])
-    grab.incentives = engine.incentives
+    grab.incentives = engine.mechanisms.named("incentives")
     engine.run()
     return grab.tables
 

@@ -156,7 +156,7 @@ def run(
         cfg, data, module, run_dir=run_dir, progress=progress, callbacks=callbacks
     )
     if executor is not None:
-        engine.executor = executor(engine.model)
+        engine.use_executor(executor(engine.model))
     if resume is None and write:
         run_dir = engine.run_dir = RunDir.create(
             out or default_run_dir(cfg.algorithm.name, data.name)

@@ -8,8 +8,9 @@ import json
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TextIO
+from typing import Annotated, Any, TextIO
 
 import typer
 from rich.console import Console
@@ -24,6 +25,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err_console = Console(stderr=True)
+
+# The options several commands share, spelled once.
+ConfigArg = Annotated[
+    Path | None, typer.Argument(help="YAML config; omit for the embedded default experiment")
+]
+SetOption = Annotated[
+    list[str] | None, typer.Option("--set", help="override a key: --set train.rounds=5")
+]
+RunOutOption = Annotated[Path | None, typer.Option(help="run directory (must not exist)")]
+DebugOption = Annotated[bool, typer.Option(help="show tracebacks")]
 
 
 def _fail(err: BaseException, debug: bool) -> None:
@@ -45,30 +56,43 @@ def _fail(err: BaseException, debug: bool) -> None:
     raise typer.Exit(1)
 
 
+def _echo_path(write: Callable[[], object], debug: bool) -> None:
+    """Run a command's ``write`` and print the path it returns; a failure goes to ``_fail``."""
+    try:
+        path = write()
+    except Exception as err:
+        _fail(err, debug)
+        return
+    typer.echo(str(path))
+
+
+def _raw_config(config: Path | None, set_: list[str] | None) -> dict[str, Any]:
+    """The YAML config (or the embedded default experiment) with the ``--set`` overrides."""
+    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml
+
+    raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
+    return apply_overrides(raw, set_ or [])
+
+
 @app.command()
 def run(
-    config: Annotated[
-        Path | None, typer.Argument(help="YAML config; omit for the embedded default experiment")
-    ] = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="override a key: --set train.rounds=5")
-    ] = None,
-    out: Annotated[Path | None, typer.Option(help="run directory (must not exist)")] = None,
+    config: ConfigArg = None,
+    set_: SetOption = None,
+    out: RunOutOption = None,
     resume: Annotated[
         Path | None, typer.Option(help="continue RUN_DIR from its last checkpoint")
     ] = None,
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Run an experiment and write its run directory (metrics, summary, report, checkpoints)."""
     from fedloom.api import run as run_api
     from fedloom.api import run_kind
-    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml, parse_config
+    from fedloom.config import parse_config
 
     try:
         cfg = None
         if config is not None or set_:
-            raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
-            raw = apply_overrides(raw, set_ or [])
+            raw = _raw_config(config, set_)
             cfg = raw if run_kind(raw) != "horizontal" else parse_config(raw)
         if resume is not None and out is not None:
             raise FedloomInputError(
@@ -137,17 +161,12 @@ def algorithms() -> None:
 @app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="a run directory")],
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """(Re)build RUN_DIR/report.html."""
     from fedloom.report import write_report
 
-    try:
-        path = write_report(run_dir)
-    except Exception as err:
-        _fail(err, debug)
-        return
-    typer.echo(str(path))
+    _echo_path(lambda: write_report(run_dir), debug)
 
 
 @app.command()
@@ -169,7 +188,7 @@ def audit(
             help="also measure the defences of docs/audit.md (or, for dlg, noise/pruning)"
         ),
     ] = False,
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Privacy audit of a finished run: membership inference on the global and each client's
     deployed model (RUN_DIR/audit.json, audit.html), or DLG against a client's gradient."""
@@ -214,18 +233,13 @@ def compare(
     out: Annotated[
         Path, typer.Option(help="the page to write (a folder: FOLDER/compare.html)")
     ] = Path("compare.html"),
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Overlay runs on one offline page (accuracy, loss, bytes, time, cold start) with a
     table of their summaries."""
     from fedloom.report.compare import write_comparison
 
-    try:
-        path = write_comparison(run_dirs, out)
-    except Exception as err:
-        _fail(err, debug)
-        return
-    typer.echo(str(path))
+    _echo_path(lambda: write_comparison(run_dirs, out), debug)
 
 
 @app.command()
@@ -238,7 +252,7 @@ def dashboard(
     allow_remote: Annotated[
         bool, typer.Option(help="allow a non-loopback --host (no login: anyone can read)")
     ] = False,
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Serve a local web app: the runs in RUNS_DIR, each run's report panels updating live
     while it trains, and a comparison of selected runs. Ctrl+C stops it."""
@@ -275,9 +289,7 @@ def tune(
     config: Annotated[
         Path | None, typer.Argument(help="base YAML config; omit for the embedded default")
     ] = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="override a key: --set train.rounds=5")
-    ] = None,
+    set_: SetOption = None,
     space: Annotated[
         Path | None, typer.Option(help="search space YAML: dotted keys -> distributions")
     ] = None,
@@ -290,11 +302,10 @@ def tune(
     metric: Annotated[
         str, typer.Option(help="dotted key of a metrics row, e.g. validation.global.accuracy")
     ] = "auto",
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Search hyperparameters (Optuna TPE with Hyperband or successive halving over rounds) on
     a validation split; writes tune.html, trials.json and the best config (docs/tune.md)."""
-    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml
     from fedloom.errors import ConfigError
 
     try:
@@ -305,10 +316,8 @@ def tune(
         from fedloom.tune import load_space
         from fedloom.tune import tune as tune_api
 
-        raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
-        raw = apply_overrides(raw, set_ or [])
         result = tune_api(
-            raw,
+            _raw_config(config, set_),
             load_space(space),
             trials,
             out=out,
@@ -344,41 +353,33 @@ def export(
     out: Annotated[
         Path | None, typer.Option(help="export directory (default RUN_DIR/export)")
     ] = None,
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Write the run's deployable models (global, EMA, best, each client's) as safetensors
     with a JSON card (docs/serving.md)."""
-    try:
+
+    def write() -> Path:
         from fedloom.serving import export_run
 
-        card = export_run(run_dir, out)
-    except Exception as err:
-        _fail(err, debug)
-        return
-    typer.echo(str(card))
+        return export_run(run_dir, out)
+
+    _echo_path(write, debug)
 
 
 @app.command()
 def flower(
-    config: Annotated[
-        Path | None, typer.Argument(help="YAML config; omit for the embedded default experiment")
-    ] = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="override a key: --set train.rounds=5")
-    ] = None,
-    out: Annotated[Path | None, typer.Option(help="run directory (must not exist)")] = None,
+    config: ConfigArg = None,
+    set_: SetOption = None,
+    out: RunOutOption = None,
     num_cpus: Annotated[int | None, typer.Option(help="CPUs of Flower's Ray runtime")] = None,
-    debug: Annotated[bool, typer.Option(help="show tracebacks")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Run an experiment on Flower's simulation engine, one node per client, and write its run
     directory as `run` does (pip install 'fedloom[flower]'; docs/flower.md)."""
-    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml
-
     try:
         from fedloom.flower import run_simulation
 
-        raw = apply_overrides(load_yaml(config) if config else DEFAULT_EXPERIMENT, set_ or [])
-        result = run_simulation(raw, out=out, write=True, num_cpus=num_cpus)
+        result = run_simulation(_raw_config(config, set_), out=out, write=True, num_cpus=num_cpus)
     except (Exception, KeyboardInterrupt) as err:
         _fail(err, debug)
         return

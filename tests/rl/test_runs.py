@@ -9,13 +9,12 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.config import AggregatorConfig
 from fedloom.errors import ConfigError
-from fedloom.rl.aggregate import PolicyAggregator
 from fedloom.rl.config import parse_rl_config
 from fedloom.rl.policy_gradient import policy_logits, reinforce_grads, rollout
 from fedloom.rl.run import run_rl
 from tests.conftest import metrics_without_time
+from tests.rl.test_sampling import aggregator
 
 
 def _cfg(algorithm: dict, **train) -> dict:
@@ -112,9 +111,9 @@ def test_aggregators_are_fedloom_rules():
     which ignores one wild agent."""
     stacked = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0], [100.0, -100.0]])}
     prev = {"w": torch.zeros(2)}
-    mean = PolicyAggregator(AggregatorConfig(), 0, [1.0, 1.0, 2.0])(stacked, ["w"], prev, 0)
+    mean, _ = aggregator("mean", 0, [1.0, 1.0, 2.0])(stacked, ["w"], prev, 0)
     assert torch.allclose(mean["w"], torch.tensor([51.0, -48.5]))
-    med = PolicyAggregator(AggregatorConfig(kind="median"), 0, [1.0] * 3)(stacked, ["w"], prev, 0)
+    med, _ = aggregator("median", 0, [1.0] * 3)(stacked, ["w"], prev, 0)
     assert torch.allclose(med["w"], torch.tensor([3.0, 2.0]))
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedloom.config import AggregatorConfig
 from fedloom.engine.sampling import sample_clients
 from fedloom.errors import ConfigError
 from fedloom.rl.aggregate import PolicyAggregator
@@ -33,6 +32,24 @@ def _cfg(per_round: int | None, kind: str = "median") -> dict:
     }
 
 
+def aggregator(
+    kind: str, seed: int, weights: list[float], per_round: int | None = None, **sections: dict
+) -> PolicyAggregator:
+    """The server step of a PAvg run over ``len(weights)`` agents."""
+    cfg = parse_rl_config(
+        {
+            "kind": "rl",
+            "seed": seed,
+            "data": {"name": "cartpole", "num_clients": len(weights)},
+            "algorithm": {"name": "pavg"},
+            "train": {"clients_per_round": per_round},
+            "aggregator": {"kind": kind},
+            **sections,
+        }
+    )
+    return PolicyAggregator(cfg, weights)
+
+
 def test_two_of_four_with_a_robust_rule_samples_and_aggregates_as_composed():
     cfg = parse_rl_config(_cfg(2))
     result = run_rl(cfg, write=False)
@@ -46,21 +63,22 @@ def test_two_of_four_with_a_robust_rule_samples_and_aggregates_as_composed():
     assert result.summary["rl"]["aggregator"]["kind"] == "median"
 
     # the server step, composed by hand: the median of the two sampled agents' trees
-    agg = PolicyAggregator(AggregatorConfig(kind="median"), 5, [2.0] * 4, per_round=2)
+    agg = aggregator("median", 5, [2.0] * 4, per_round=2)
     stacked = {"pi.w": torch.tensor([[0.0], [1.0], [100.0], [3.0]])}
     previous = {"pi.w": torch.tensor([0.0])}
-    out = agg(stacked, ["pi.w"], previous, 0, agents=[1, 3])
+    out, sent = agg(stacked, ["pi.w"], previous, 0, agents=[1, 3])
     assert torch.allclose(out["pi.w"], torch.tensor([2.0]))
+    assert sent == 2 * 4  # two float32 uploads
 
 
 def test_a_poisoned_agent_moves_the_mean_not_the_median():
     stacked = {"pi.w": torch.tensor([[1.0], [1.1], [0.9], [1e6]])}
     previous = {"pi.w": torch.tensor([1.0])}
-    mean = PolicyAggregator(AggregatorConfig(kind="mean"), 0, [1.0] * 4, per_round=3)
-    median = PolicyAggregator(AggregatorConfig(kind="median"), 0, [1.0] * 4, per_round=3)
+    mean = aggregator("mean", 0, [1.0] * 4, per_round=3)
+    median = aggregator("median", 0, [1.0] * 4, per_round=3)
     agents = [0, 1, 3]
-    assert mean(stacked, ["pi.w"], previous, 0, agents)["pi.w"].item() > 1e5
-    assert abs(median(stacked, ["pi.w"], previous, 0, agents)["pi.w"].item() - 1.1) < 1e-6
+    assert mean(stacked, ["pi.w"], previous, 0, agents)[0]["pi.w"].item() > 1e5
+    assert abs(median(stacked, ["pi.w"], previous, 0, agents)[0]["pi.w"].item() - 1.1) < 1e-6
 
 
 def test_sampling_changes_the_run_and_is_checked():

@@ -15,7 +15,7 @@ from fedloom.data.federated import from_arrays
 from fedloom.engine.evaluation import evaluate_each, evaluate_pooled
 from fedloom.models import build_model
 from fedloom.models.base import FedModel
-from fedloom.solvers.objective_sgd import objective_sgd
+from fedloom.solvers.local import local_sgd
 from fedloom.solvers.program import Batch
 from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_sgd_step
 
@@ -142,7 +142,7 @@ def test_finetuning_many_clients_stacked_equals_one_at_a_time():
     plans[2] = []  # a client with nothing to train on keeps the start
     got = finetune_stacked(model, [start] * len(datas), datas, plans, 0.05, chunk=3)
     for (params, _), d, plan in zip(got, datas, plans, strict=True):
-        solved = objective_sgd(model, *start, d.x_train, d.y_train, plan, 0.05)
+        solved = local_sgd(model, *start, d.x_train, d.y_train, plan, 0.05)
         for k in params:
             assert torch.allclose(params[k], solved.params[k], atol=1e-5), k
 

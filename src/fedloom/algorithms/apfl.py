@@ -72,7 +72,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram, aggregate_models
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
@@ -191,14 +191,11 @@ class APFL(Algorithm):
             "initial": {"params": clone(params), "buffers": clone(buffers)},
         }
         if self.config.final_averaging:
-            server["average"] = {"params": clone(params), "buffers": clone(buffers)}
-            server["average_weight"] = torch.zeros((), dtype=F64)
-            server["last_round"] = torch.zeros((), dtype=torch.int64)
-            server["tau"] = torch.zeros((), dtype=F64)
+            server |= averaging_slots(params, buffers)
         return server
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        new = self.aggregate_models(results)
+        new = aggregate_models(self.ctx, results)
         if not self.config.final_averaging:
             return {**new, "initial": server["initial"]}
         round = results[0].round
@@ -245,10 +242,7 @@ class APFL(Algorithm):
             "steps": torch.zeros((), dtype=torch.int64),
         }
         if self.config.final_averaging:
-            state["average"] = {"params": clone(params), "buffers": clone(buffers)}
-            state["average_weight"] = torch.zeros((), dtype=F64)
-            state["last_round"] = torch.zeros((), dtype=torch.int64)
-            state["tau"] = torch.zeros((), dtype=F64)
+            state |= averaging_slots(params, buffers)
         return state
 
     def make_program(self) -> ClientProgram:
@@ -270,6 +264,18 @@ class APFL(Algorithm):
             stale = self.rounds_weight(rounds, tau)
             personal, _ = combine(state["average"], weight, personal, stale)
         return mix(state["alpha"], personal["params"], theta), personal["buffers"]
+
+
+def averaging_slots(params: Tree, buffers: Tree) -> State:
+    """The running average of ``final_averaging`` (the server's of theta, a client's of its
+    omega), starting at (params, buffers): the average, its accumulated weight, the last round
+    it covers and tau."""
+    return {
+        "average": {"params": clone(params), "buffers": clone(buffers)},
+        "average_weight": torch.zeros((), dtype=F64),
+        "last_round": torch.zeros((), dtype=torch.int64),
+        "tau": torch.zeros((), dtype=F64),
+    }
 
 
 def combine(average: State, weight: float, model: State, added: float) -> tuple[State, float]:

@@ -24,7 +24,7 @@ from fedloom.errors import ConfigError
 from fedloom.registry import Registry
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.dpsgd import DPSGD
-from fedloom.solvers.local import LocalSolution, PlanMaker, local_sgd
+from fedloom.solvers.local import BatchObjective, LocalSolution, PlanMaker, local_sgd
 from fedloom.solvers.ops import DP_BATCH, PrivacyRefused, private_update
 from fedloom.solvers.sequential import run_client
 from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_correction, stacked_sgd_step
@@ -111,8 +111,11 @@ class Algorithm:
         self.config = config
         self.ctx = ctx
         self._program: ClientProgram | None = None
-        if self.classification_only:
-            self.require_classification(self.classification_only)
+        if self.classification_only and ctx.model.task != "classification":
+            raise ConfigError(
+                f"algorithm.name: {self.name} needs a classification task "
+                f"({self.classification_only}), got {ctx.model.task}"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_program": None}  # programs hold vmapped closures
@@ -149,44 +152,9 @@ class Algorithm:
         return None
 
     def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
-        """The minibatches of the local solver (default: the engine's plan for the round)."""
+        """The minibatches of the local solver (default: the engine's plan for the round; the
+        engine's load balancing and cost model count them too)."""
         return task.plan
-
-    def local_start(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> tuple[Tree, Tree]:
-        """Where local SGD starts: the server's model unless the algorithm says otherwise."""
-        return message["params"], message["buffers"]
-
-    def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
-        """Extra gradient term of the local objective at ``params`` (None: plain ERM).
-
-        Must be a pure function of its arguments (no captured per-client tensors), so the
-        vectorized executor can vmap it with ``state`` stacked over clients.
-        """
-        return None
-
-    def local_lr(self, task: ClientTask) -> float:
-        """Step size of the local solver (default ``train.lr``; APFL decays it by round). Must
-        be the same for every client of a round: the vectorized executor steps them together."""
-        return task.lr
-
-    def local_momentum(self) -> float:
-        """Heavy-ball momentum of the local solver (0: plain SGD, the default)."""
-        return 0.0
-
-    def has_correction(self) -> bool:
-        """Whether ``local_correction`` adds a term: declared by the algorithms that define
-        one (FedProx, SCAFFOLD, FedDyn, FPFC; FedNova with its proximal solver). Without one
-        the client programs skip the call and the client state's stacking."""
-        return False
-
-    def local_finish(
-        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
-    ) -> ClientResult:
-        """The upload and new state once local SGD has run (default: upload the model)."""
-        upload = {"params": solved.params, "buffers": solved.buffers}
-        return ClientResult(upload, task.data.num_train, solved.loss)
 
     def client_program(self) -> ClientProgram:
         """The client side as one program (solvers/program.py) that every executor runs,
@@ -196,9 +164,10 @@ class Algorithm:
         return self._program
 
     def make_program(self) -> ClientProgram:
-        """By default local SGD from ``local_start`` on ``client_plan`` at ``local_lr``, with
-        ``local_correction`` and ``local_momentum``, closed by ``local_finish``. Algorithms with
-        other local work return their own program (pFedMe, Ditto, APFL, Per-FedAvg, ...)."""
+        """By default FedAvg's local SGD (:class:`PlainSGDProgram` with its default options);
+        the FedAvg family states its differences as options of that program (FedProx's
+        correction, SCAFFOLD's finish, ...), algorithms with other local work return their own
+        program (pFedMe, Ditto, APFL, Per-FedAvg, ...)."""
         return PlainSGDProgram(self)
 
     def client_update(
@@ -242,26 +211,6 @@ class Algorithm:
         with worker processes then run the deployments there (engine/processes.py)."""
         return False
 
-    def finetuned_models(
-        self,
-        start: tuple[Tree, Tree],
-        tasks: Sequence[ClientTask],
-        steps: int,
-        purpose: str,
-        lr: float,
-    ) -> list[tuple[Tree, Tree]] | None:
-        """``start`` after ``steps`` SGD steps at ``lr`` on each client's training data
-        (minibatches from the stream (seed, purpose, round, client)), every client at once on
-        the stacked model (solvers/stacked_sgd.py); None when the model cannot run stacked."""
-        model = self.ctx.model
-        if model.stacked() is None:
-            return None
-        plans = [
-            self.ctx.make_plan(t.data, steps, purpose, t.round, t.client_id) if steps else []
-            for t in tasks
-        ]
-        return finetune_stacked(model, [start] * len(tasks), [t.data for t in tasks], plans, lr)
-
     # -- monitoring -------------------------------------------------------------------------
     def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
         """What a client's round moved, for the update norms and cosine similarities of the
@@ -301,35 +250,51 @@ class Algorithm:
         ``train.lr``; Per-FedAvg: its inner step size alpha, the step it meta-learned for)."""
         return None
 
-    # -- shared pieces --------------------------------------------------------------------
-    def require_classification(self, why: str) -> None:
-        """A clear ConfigError unless the task is classification (``why`` it must be)."""
-        task = self.ctx.model.task
-        if task != "classification":
-            raise ConfigError(
-                f"algorithm.name: {self.name} needs a classification task ({why}), got {task}"
-            )
 
-    def average_buffers(
-        self, server: State, results: list[ClientResult], weights: list[float]
-    ) -> Tree:
-        """Weighted mean of the uploaded ``buffers`` (BatchNorm statistics), or the server's
-        when the model has none; for algorithms whose parameter update is not an average."""
-        if not server["buffers"]:
-            return server["buffers"]
-        return self.ctx.aggregate([r.upload["buffers"] for r in results], weights)
+def finetuned_models(
+    ctx: AlgorithmContext,
+    start: tuple[Tree, Tree],
+    tasks: Sequence[ClientTask],
+    steps: int,
+    purpose: str,
+    lr: float,
+) -> list[tuple[Tree, Tree]] | None:
+    """``start`` after ``steps`` SGD steps at ``lr`` on each client's training data (minibatches
+    from the stream (seed, purpose, round, client)), every client at once on the stacked model
+    (solvers/stacked_sgd.py): a ``batched_deployment`` that fine-tunes (FedAvg-FT, the
+    meta-learners); None when the model cannot run stacked."""
+    model = ctx.model
+    if model.stacked() is None:
+        return None
+    plans = [
+        ctx.make_plan(t.data, steps, purpose, t.round, t.client_id) if steps else [] for t in tasks
+    ]
+    return finetune_stacked(model, [start] * len(tasks), [t.data for t in tasks], plans, lr)
 
-    def aggregate_models(
-        self, results: list[ClientResult], weights: list[float] | None = None
-    ) -> State:
-        """Weighted mean of uploaded ``params`` and ``buffers`` (FedAvg's server step)."""
-        w = weights if weights is not None else [r.weight for r in results]
-        return {
-            "params": self.ctx.aggregate([r.upload["params"] for r in results], w),
-            "buffers": self.ctx.aggregate([r.upload["buffers"] for r in results], w)
-            if results[0].upload["buffers"]
-            else {},
-        }
+
+def average_buffers(
+    ctx: AlgorithmContext, server: State, results: list[ClientResult], weights: list[float]
+) -> Tree:
+    """Weighted mean of the uploaded ``buffers`` (BatchNorm statistics) by ``ctx.aggregate``,
+    or the server's when the model has none; for algorithms whose parameter update is not an
+    average."""
+    if not server["buffers"]:
+        return server["buffers"]
+    return ctx.aggregate([r.upload["buffers"] for r in results], weights)
+
+
+def aggregate_models(
+    ctx: AlgorithmContext, results: list[ClientResult], weights: list[float] | None = None
+) -> State:
+    """Weighted mean (``ctx.aggregate``) of the uploaded ``params`` and ``buffers``: FedAvg's
+    server step, weighted by the results' weights unless ``weights`` are given."""
+    w = weights if weights is not None else [r.weight for r in results]
+    return {
+        "params": ctx.aggregate([r.upload["params"] for r in results], w),
+        "buffers": ctx.aggregate([r.upload["buffers"] for r in results], w)
+        if results[0].upload["buffers"]
+        else {},
+    }
 
 
 class StepProgram(ClientProgram):
@@ -353,15 +318,59 @@ class StepProgram(ClientProgram):
         raise NotImplementedError
 
 
-class SGDProgram(StepProgram):
-    """The FedAvg family's client program, from the algorithm's hooks::
+Start = Callable[[Message, State | None, ClientTask], tuple[Tree, Tree]]
+"""(message, state, task) -> (params, buffers): where a client's local SGD starts."""
+Correction = Callable[[Tree, Message, State | None], Tree | None]
+"""(params, message, state) -> the extra gradient term of the local objective at ``params``
+(None: none this call). Pure in its arguments (no captured per-client tensors): the vmap
+backend calls it with ``state`` stacked over clients."""
+Finish = Callable[[Message, State | None, ClientTask, LocalSolution], ClientResult]
+"""(message, state, task, solved) -> the upload and new state once local SGD has run."""
+StepSize = Callable[[ClientTask], float]
+"""(task) -> the local step size of the round, the same for every client of the round (the
+vectorized executor steps them together)."""
 
-        w <- local_start;  v <- 0
-        for each minibatch B of client_plan:
-            g <- grad F_k(w; B) + local_correction(w)
-            v <- rho v + g  (rho = local_momentum; 0: v = g)
-            w <- w - local_lr v
-        local_finish(w)
+
+def server_model(message: Message, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+    """FedAvg's start: the broadcast model."""
+    return message["params"], message["buffers"]
+
+
+def own_model(message: Message, state: State | None, task: ClientTask) -> tuple[Tree, Tree]:
+    """The start of a client that trains a model of its own: the one its state keeps (local
+    training, FedProto, FPFC)."""
+    assert state is not None
+    return state["params"], state["buffers"]
+
+
+def round_lr(task: ClientTask) -> float:
+    """The default step size: ``train.lr`` (as the engine hands it to the round's tasks)."""
+    return task.lr
+
+
+def upload_model(
+    message: Message, state: State | None, task: ClientTask, solved: LocalSolution
+) -> ClientResult:
+    """FedAvg's finish: upload the local model, weighted by the client's sample count n_k."""
+    upload = {"params": solved.params, "buffers": solved.buffers}
+    return ClientResult(upload, task.data.num_train, solved.loss)
+
+
+class SGDProgram(StepProgram):
+    """The FedAvg family's client program. An algorithm states how its local SGD differs from
+    FedAvg's as options of this program, not as methods of the algorithm::
+
+        w <- start(message, state);  v <- 0
+        for each minibatch B of algorithm.client_plan:
+            g <- grad F_k(w; B) + correction(w, message, state)
+            v <- momentum v + g  (momentum 0: v = g)
+            w <- w - lr(task) v
+        finish(message, state, task, solved)
+
+    ``start`` defaults to the broadcast model (``server_model``), ``correction`` to none
+    (plain ERM; the program then skips the call and the client state's stacking),
+    ``momentum`` to 0 (plain SGD), ``lr`` to ``train.lr`` and ``finish`` to uploading the model
+    weighted n_k (``upload_model``).
 
     Both backends step through ``step``; :class:`PlainSGDProgram`, the program used as it is,
     runs on the lean flat-buffer trainer in the sequential backend. Subclass this one to change
@@ -386,10 +395,20 @@ class SGDProgram(StepProgram):
     at the perturbed point): each is noised sigma sqrt(private_grads), so the step is one
     Gaussian mechanism of multiplier sigma and the accountant counts it once (PrivateOps)."""
 
-    def __init__(self, algorithm: Algorithm) -> None:
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        *,
+        start: Start = server_model,
+        correction: Correction | None = None,
+        momentum: float = 0.0,
+        lr: StepSize = round_lr,
+        finish: Finish = upload_model,
+    ) -> None:
         super().__init__(algorithm)
-        self.momentum = algorithm.local_momentum()
-        self.corrected = algorithm.has_correction()
+        self.start, self.correction, self.momentum = start, correction, momentum
+        self.step_size, self.upload = lr, finish
+        self.corrected = correction is not None
         self.private = algorithm.ctx.sample_dp if self.private_step else None
         if self.private is not None:
             if algorithm.deployment_trains():  # fine-tuning's steps are not DP-SGD's
@@ -424,7 +443,7 @@ class SGDProgram(StepProgram):
         return self.private.step_bytes(param_bytes, width)
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
-        params, buffers = self.algorithm.local_start(message, state, task)
+        params, buffers = self.start(message, state, task)
         # own buffers: the forward pass updates BatchNorm statistics in place
         carry: Carry = {"params": params, "buffers": clone(buffers)}
         if self.momentum:
@@ -436,7 +455,7 @@ class SGDProgram(StepProgram):
         return carry
 
     def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
-        return {"message": message, "lr": self.algorithm.local_lr(task)}
+        return {"message": message, "lr": self.step_size(task)}
 
     def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
@@ -444,8 +463,8 @@ class SGDProgram(StepProgram):
         (batch,) = batches
         params = carry["params"]
         grads, loss = self.data_grad(ops, carry, batch)
-        if self.corrected:
-            extra = self.algorithm.local_correction(params, shared["message"], carry.get("state"))
+        if self.correction is not None:
+            extra = self.correction(params, shared["message"], carry.get("state"))
             if extra is not None:
                 grads = {k: g + extra[k] for k, g in grads.items()}
         new = dict(carry)
@@ -461,33 +480,41 @@ class SGDProgram(StepProgram):
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
     ) -> ClientResult:
         carry = run.carry
-        start, _ = self.algorithm.local_start(message, state, task)
+        start, _ = self.start(message, state, task)
         solved = LocalSolution(
             carry["params"],
             carry["buffers"],
             run.metric(self.STEP),
             start,
-            self.algorithm.local_lr(task),
+            self.step_size(task),
             run.steps.get(self.STEP, 0),
             carry.get("velocity"),
         )
-        return self.algorithm.local_finish(message, state, task, solved)
+        return self.upload(message, state, task, solved)
 
-    def lean_sgd(self, message: Message, state: State | None, task: ClientTask) -> ClientResult:
-        """Plain SGD (``SGDProgram.step``) on the lean flat-buffer trainer, for one client. Its
-        gradients are not private: under sample-level DP it refuses."""
+    def lean_sgd(
+        self,
+        message: Message,
+        state: State | None,
+        task: ClientTask,
+        objective: BatchObjective | None = None,
+        head: str | None = None,
+    ) -> ClientResult:
+        """This program's SGD for one client on the one fused trainer
+        (:func:`fedloom.solvers.local.local_sgd`): ``step`` as it is, or, with ``objective``,
+        plain SGD on that minibatch objective (the objective programs). Its gradients are not
+        private: under sample-level DP it refuses."""
         if self.private is not None:
             raise PrivacyRefused(
                 f"privacy.kind: sample_dp: {self.algorithm.name}'s client program runs the "
                 "lean trainer, whose gradients are not private (docs/privacy.md)"
             )
-        algorithm = self.algorithm
-        params, buffers = algorithm.local_start(message, state, task)
-        correction = None
-        if self.corrected:
+        params, buffers = self.start(message, state, task)
+        correction, rule = None, self.correction
+        if rule is not None:
 
-            def correction(p: Tree) -> Tree:
-                return algorithm.local_correction(p, message, state)  # type: ignore[return-value]
+            def correction(p: Tree) -> Tree | None:
+                return rule(p, message, state)
 
         data = task.data
         solved = local_sgd(
@@ -496,12 +523,14 @@ class SGDProgram(StepProgram):
             buffers,
             data.x_train,
             data.y_train,
-            algorithm.client_plan(task),
-            algorithm.local_lr(task),
+            self.algorithm.client_plan(task),
+            self.step_size(task),
             correction,
             self.momentum,
+            objective=objective,
+            head=head,
         )
-        return algorithm.local_finish(message, state, task, solved)
+        return self.upload(message, state, task, solved)
 
 
 class PlainSGDProgram(SGDProgram):
@@ -513,8 +542,8 @@ class PlainSGDProgram(SGDProgram):
     On a stackable model (core/stacked.py) the vmap backend runs the step for a whole chunk
     without ``vmap`` (``stacked_step``), except under sample-level DP."""
 
-    def __init__(self, algorithm: Algorithm) -> None:
-        super().__init__(algorithm)
+    def __init__(self, algorithm: Algorithm, **options: Any) -> None:
+        super().__init__(algorithm, **options)
         if self.private is None and self.model.stacked() is not None:
             self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=self.stacked_step),)
 
@@ -524,12 +553,12 @@ class PlainSGDProgram(SGDProgram):
         """``step`` for C clients at once, in place on the stacked carry."""
         (batch,) = batches
         params = carry["params"]
-        extra = None
-        if self.corrected:
-            message, algorithm = shared["message"], self.algorithm
+        extra, rule = None, self.correction
+        if rule is not None:
+            message = shared["message"]
 
             def correction(p: Tree, state: State | None) -> Tree | None:
-                return algorithm.local_correction(p, message, state)
+                return rule(p, message, state)
 
             extra = stacked_correction(correction, params, carry.get("state"))
         loss = stacked_sgd_step(

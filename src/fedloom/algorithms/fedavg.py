@@ -4,14 +4,14 @@ One round, line by line::
 
     Ct <- sample max(rho*K, 1) clients            # engine (train.clients_per_round)
     wk <- local_train(w, Dk, S, M, eta)            # Algorithm.client_update: local SGD from w
-    upload wk                                      # local_finish: the upload is the local model
+    upload wk                                      # upload_model: the upload is the local model
     alpha_k <- nk / sum_{j in Ct} nj               # ClientResult.weight = n_k
     w <- weighted_average({wk}, {alpha_k})         # aggregate
 """
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.base import Algorithm, aggregate_models
 from fedloom.core.protocol import ClientResult, State
 
 
@@ -22,4 +22,4 @@ class FedAvg(Algorithm):
     supports_sample_dp = True
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        return self.aggregate_models(results)
+        return aggregate_models(self.ctx, results)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig
+from fedloom.algorithms.base import AlgorithmConfig, finetuned_models
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
@@ -34,7 +34,7 @@ class FedAvgFT(FedAvg):
     ) -> list[tuple[Tree, Tree]] | None:
         start = (server["params"], server["buffers"])
         lr = self.config.finetune_lr or self.ctx.lr
-        return self.finetuned_models(start, tasks, self.config.finetune_steps, "finetune", lr)
+        return finetuned_models(self.ctx, start, tasks, self.config.finetune_steps, "finetune", lr)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

@@ -375,7 +375,7 @@ class FedCRProgram(SGDProgram):
     private_step = False  # the variational objective (23), not DP-SGD's per-sample loss
 
     def __init__(self, algorithm: FedCR) -> None:
-        super().__init__(algorithm)
+        super().__init__(algorithm, start=algorithm.local_start, finish=algorithm.local_finish)
         self.algorithm: FedCR = algorithm
         self.config: FedCRConfig = algorithm.config
         head = algorithm.head_name

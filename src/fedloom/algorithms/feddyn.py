@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from pydantic import AliasChoices, Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, PlainSGDProgram, average_buffers
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, sub, zeros_like
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -55,8 +56,8 @@ class FedDyn(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"grad": zeros_like(server["params"])}
 
-    def has_correction(self) -> bool:
-        return True
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(self, correction=self.local_correction, finish=self.local_finish)
 
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         assert state is not None
@@ -80,6 +81,6 @@ class FedDyn(Algorithm):
         h = add(server["h"], sub(mean, theta), alpha=-mu * sum(p))
         return {
             "params": add(mean, h, alpha=-1.0 / mu),
-            "buffers": self.average_buffers(server, results, p),
+            "buffers": average_buffers(self.ctx, server, results, p),
             "h": h,
         }

@@ -86,7 +86,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -271,7 +271,7 @@ class FedGen(Algorithm):
         return message
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        new = {**server, **self.aggregate_models(results)}
+        new = {**server, **aggregate_models(self.ctx, results)}
         counts = torch.stack([r.upload["labels"]["counts"] for r in results])
         table = server["label_counts"].clone()
         table[[r.client_id for r in results]] = counts
@@ -321,7 +321,7 @@ class FedGenProgram(ObjectiveProgram):
     draws take exactly its minibatch size from the stream, whatever the padding."""
 
     def __init__(self, algorithm: FedGen) -> None:
-        super().__init__(algorithm)
+        super().__init__(algorithm, finish=algorithm.local_finish)
         self.config: FedGenConfig = algorithm.config
         head = algorithm.head_name
         self.head_keys = (f"{head}.weight", f"{head}.bias")

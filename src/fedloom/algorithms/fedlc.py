@@ -56,13 +56,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig
-from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, aggregate_models
+from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, weighted_upload
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
-from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
 
 NO_SAMPLE = -1e4
@@ -147,15 +146,10 @@ class FedLC(Algorithm):
     averages_client_models = True
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        return self.aggregate_models(results)
+        return aggregate_models(self.ctx, results)
 
     def make_program(self) -> ClientProgram:
         return FedLCProgram(self)
-
-    def local_finish(
-        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
-    ) -> ClientResult:
-        return model_result(task, solved, self.config.weighting)
 
 
 class FedLCProgram(ObjectiveProgram):
@@ -163,7 +157,7 @@ class FedLCProgram(ObjectiveProgram):
     ride in its carry."""
 
     def __init__(self, algorithm: FedLC) -> None:
-        super().__init__(algorithm)
+        super().__init__(algorithm, finish=weighted_upload(algorithm.config.weighting))
         self.config: FedLCConfig = algorithm.config
         self.classes: int | None = None
 

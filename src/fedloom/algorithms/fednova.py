@@ -32,9 +32,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, PlainSGDProgram, average_buffers
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.steps import proximal_gradient
 
@@ -82,11 +83,15 @@ class FedNova(Algorithm):
     supports_sample_dp = True
     Config = FedNovaConfig
 
-    def local_momentum(self) -> float:
-        return self.config.rho or 0.0
-
-    def has_correction(self) -> bool:
-        return self.config.local_solver == "proximal"
+    def make_program(self) -> ClientProgram:
+        """Local SGD with the solver of the config: heavy-ball rho, or FedProx's pull mu."""
+        proximal = self.config.local_solver == "proximal"
+        return PlainSGDProgram(
+            self,
+            correction=self.local_correction if proximal else None,
+            momentum=self.config.rho or 0.0,
+            finish=self.local_finish,
+        )
 
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
         return proximal_gradient(params, message["params"], self.config.mu or 0.0)
@@ -120,5 +125,5 @@ class FedNova(Algorithm):
         direction = self.ctx.aggregate([r.upload["direction"] for r in results], weights)
         return {
             "params": add(server["params"], direction, alpha=-tau_eff / total),
-            "buffers": self.average_buffers(server, results, weights),
+            "buffers": average_buffers(self.ctx, server, results, weights),
         }

@@ -38,12 +38,11 @@ from pydantic import Field
 
 from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
-from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
+from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, weighted_upload
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientResult, ClientTask, Message, State
+from fedloom.core.protocol import Message
 from fedloom.core.pytree import Tree
-from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
 
 
@@ -99,17 +98,12 @@ class FedNTD(FedAvg):
     def make_program(self) -> ClientProgram:
         return FedNTDProgram(self)
 
-    def local_finish(
-        self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
-    ) -> ClientResult:
-        return model_result(task, solved, self.config.weighting)
-
 
 class FedNTDProgram(ObjectiveProgram):
     """L = CE(z_l, y) + beta L_NTD(z_l, z_g, y), z_g the broadcast model's logits."""
 
     def __init__(self, algorithm: FedNTD) -> None:
-        super().__init__(algorithm)
+        super().__init__(algorithm, finish=weighted_upload(algorithm.config.weighting))
         self.config: FedNTDConfig = algorithm.config
 
     def regularized(self, message: Message) -> bool:

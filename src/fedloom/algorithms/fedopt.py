@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, aggregate_models
 from fedloom.core.protocol import ClientResult, State
 from fedloom.core.pytree import Tree, zeros_like
 
@@ -101,7 +101,9 @@ class ServerOptimizer(Algorithm):
         return {"params": params, "buffers": buffers, **self.init_slots(params)}
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        averaged = self.aggregate_models(results)  # ctx.aggregate: weighted mean or robust rule
+        averaged = aggregate_models(
+            self.ctx, results
+        )  # ctx.aggregate: weighted mean or robust rule
         x = server["params"]
         delta = {k: averaged["params"][k].double() - x[k].double() for k in x}
         state = {n: {k: t.double() for k, t in server[n].items()} for n in self.slots}

@@ -35,49 +35,23 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
-from fedloom.algorithms.partial import PartialSharing
-from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.algorithms.meta import adapt
+from fedloom.algorithms.partial import HeadBodySplit, HeadBodySplitConfig
 from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
-from fedloom.errors import ConfigError
-from fedloom.solvers.objective_sgd import objective_sgd
 
 
-class FedPerConfig(AlgorithmConfig):
-    weighting: Weighting = weighting_field("samples", "body averaging weights (paper: samples)")
+class FedPerConfig(HeadBodySplitConfig):
     finetune_steps: int = Field(
         default=0, ge=0, description="head-only SGD steps of a never-trained client before use"
     )
     finetune_lr: float | None = Field(default=None, gt=0, description="default: train.lr")
 
 
-class FedPer(PartialSharing):
+class FedPer(HeadBodySplit):
     name = "fedper"
     summary = "FedPer: shared body averaged by the server, personal heads stay on clients"
     Config = FedPerConfig
-
-    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
-        module = ctx.model.module
-        head_keys = getattr(module, "head_keys", None)
-        self.head = set(head_keys()) if callable(head_keys) else set()
-        self.head_modules = tuple(getattr(module, "head_modules", ()))
-        super().__init__(config, ctx)
-        if not self.split.local_params or not self.split.shared_params:
-            missing = (
-                "a head" if not self.split.local_params else "a body (parameters outside the head)"
-            )
-            raise ConfigError(
-                f"algorithm.name: {self.name} shares the body and personalizes the head of the "
-                f"model (FedModel.head_modules), and {type(module).__name__} has no {missing}; "
-                "use e.g. model.name: mlp, cnn or char_lstm"
-            )
-
-    def local_keys(self) -> set[str]:
-        return self.head
-
-    def client_weight(self, task: ClientTask) -> float:
-        return self.ctx.objective_weight(task.client_id, self.config.weighting)
 
     def fresh_client_model(
         self, params: Tree, buffers: Tree, task: ClientTask
@@ -95,20 +69,7 @@ class FedPer(PartialSharing):
 
     def finetune_head(self, params: Tree, buffers: Tree, task: ClientTask) -> Tree:
         """``finetune_steps`` SGD steps on the head only (body and buffers unchanged)."""
-        model, data = self.ctx.model, task.data
-        plan = self.ctx.make_plan(
-            data, self.config.finetune_steps, "finetune", task.round, task.client_id
-        )
-        lr = self.config.finetune_lr or self.ctx.lr
-        with model.random_stream(self.ctx.seed, task.round, task.client_id):
-            solved = objective_sgd(
-                model,
-                params,
-                buffers,
-                data.x_train,
-                data.y_train,
-                plan,
-                lr,
-                trainable=self.split.local_params,
-            )
-        return {**params, **{k: solved.params[k] for k in self.split.local_params}}
+        cfg, head = self.config, self.split.local_params
+        lr = cfg.finetune_lr or self.ctx.lr
+        tuned, _ = adapt(self.ctx, params, buffers, task, cfg.finetune_steps, lr, "finetune", head)
+        return {**params, **{k: tuned[k] for k in head}}

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, own_model
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
@@ -182,7 +182,7 @@ class FedProto(Algorithm):
         return {"params": clone(initial["params"]), "buffers": clone(initial["buffers"])}
 
     def make_program(self) -> ClientProgram:
-        return FedProtoProgram(self)
+        return FedProtoProgram(self)  # each client trains its own model (nothing of it is shared)
 
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
@@ -204,13 +204,6 @@ class FedProto(Algorithm):
         new_state = {"params": solved.params, "buffers": solved.buffers}
         return ClientResult(upload, float(data.num_train), solved.loss, state=new_state)
 
-    def local_start(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> tuple[Tree, Tree]:
-        """Each client trains its own model (nothing of it is shared)."""
-        assert state is not None
-        return state["params"], state["buffers"]
-
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
@@ -223,7 +216,9 @@ class FedProtoProgram(ObjectiveProgram):
     (and the mask of the classes that have one) shared by every client."""
 
     def __init__(self, algorithm: FedProto) -> None:
-        super().__init__(algorithm, head=algorithm.head)
+        super().__init__(
+            algorithm, head=algorithm.head, start=own_model, finish=algorithm.local_finish
+        )
         self.config: FedProtoConfig = algorithm.config
         self.num_classes, self.dim = algorithm.num_classes, algorithm.dim
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig
+from fedloom.algorithms.base import AlgorithmConfig, PlainSGDProgram
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.core.protocol import Message, State
 from fedloom.core.pytree import Tree
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.steps import proximal_gradient
 
 
@@ -40,8 +41,8 @@ class FedProx(FedAvg):
             message["mu"] = {"mu": torch.tensor(mu, dtype=torch.float64)}
         return message
 
-    def has_correction(self) -> bool:
-        return True
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(self, correction=self.local_correction)
 
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
         mu = message["mu"]["mu"] if "mu" in message else self.config.mu

@@ -121,7 +121,7 @@ class FedRepProgram(ClientProgram):
         return {"params": params, "buffers": clone(buffers)}
 
     def shared(self, message: Message, task: ClientTask) -> dict:
-        return {"lr": self.algorithm.local_lr(task)}
+        return {"lr": task.lr}
 
     def _phase(
         self, keys: list[str], ops: Ops, carry: Carry, batch: Batch, lr: float

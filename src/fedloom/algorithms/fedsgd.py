@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.base import Algorithm, PlainSGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import add
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -24,6 +25,9 @@ class FedSGD(Algorithm):
 
     def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
         return [torch.arange(task.data.num_train)]
+
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(self, finish=self.local_finish)
 
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution

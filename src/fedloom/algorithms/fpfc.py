@@ -74,9 +74,16 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    PlainSGDProgram,
+    own_model,
+)
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, num_bytes
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -291,14 +298,11 @@ class FPFC(Algorithm):
             "index": torch.tensor(client_id, dtype=torch.int64),
         }
 
-    def local_start(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> tuple[Tree, Tree]:
-        assert state is not None
-        return state["params"], state["buffers"]
-
-    def has_correction(self) -> bool:
-        return True
+    def make_program(self) -> ClientProgram:
+        """Local SGD of each client's own omega_i with the ADMM pull toward zeta_i."""
+        return PlainSGDProgram(
+            self, start=own_model, correction=self.local_correction, finish=self.local_finish
+        )
 
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         """rho (omega - zeta_i): the gradient of rho/2 ||omega - zeta_i||^2, zeta_i the row

@@ -49,11 +49,18 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    PlainSGDProgram,
+    average_buffers,
+)
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, sub
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -114,7 +121,7 @@ class L2SGD(Algorithm):
         mean_change = self.ctx.aggregate([r.upload["delta"] for r in results], ones)
         return {
             "params": add(server["params"], mean_change, alpha=len(results) / self.num_clients),
-            "buffers": self.average_buffers(server, results, ones),
+            "buffers": average_buffers(self.ctx, server, results, ones),
             "init": server["init"],
         }
 
@@ -127,6 +134,11 @@ class L2SGD(Algorithm):
         if task.full:  # a partial-mode straggler does its share of the round's steps
             steps = steps * len(task.plan) // task.full
         return self.ctx.make_plan(task.data, steps, "batches", task.round, task.client_id)
+
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(
+            self, start=self.local_start, lr=self.local_lr, finish=self.local_finish
+        )
 
     def local_lr(self, task: ClientTask) -> float:
         return task.lr / (self.num_clients * (1.0 - self.config.p))

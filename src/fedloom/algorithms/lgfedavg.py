@@ -41,43 +41,10 @@ implemented here.
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
-from fedloom.algorithms.partial import PartialSharing
-from fedloom.algorithms.weights import Weighting, weighting_field
-from fedloom.core.protocol import ClientTask
-from fedloom.errors import ConfigError
+from fedloom.algorithms.partial import HeadBodySplit
 
 
-class LGFedAvgConfig(AlgorithmConfig):
-    weighting: Weighting = weighting_field("samples", "head averaging weights (paper: samples)")
-
-
-class LGFedAvg(PartialSharing):
+class LGFedAvg(HeadBodySplit):
     name = "lgfedavg"
     summary = "LG-FedAvg: local bodies (representations) stay on clients, the head is averaged"
-    Config = LGFedAvgConfig
-
-    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
-        module = ctx.model.module
-        head_keys = getattr(module, "head_keys", None)
-        head = set(head_keys()) if callable(head_keys) else set()
-        self.body = set(ctx.model.param_keys) | set(ctx.model.buffer_keys)
-        self.body -= head
-        super().__init__(config, ctx)
-        if not self.split.local_params or not self.split.shared_params:
-            problem = (
-                "declares no head"
-                if not self.split.shared_params
-                else "has no body (no parameters outside the head)"
-            )
-            raise ConfigError(
-                f"algorithm.name: {self.name} keeps the body local and shares the head of the "
-                f"model (FedModel.head_modules), and {type(module).__name__} {problem}; "
-                "use e.g. model.name: mlp, cnn or char_lstm"
-            )
-
-    def local_keys(self) -> set[str]:
-        return self.body
-
-    def client_weight(self, task: ClientTask) -> float:
-        return self.ctx.objective_weight(task.client_id, self.config.weighting)
+    personal_head = False

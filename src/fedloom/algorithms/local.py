@@ -3,9 +3,10 @@ never communicates. The lower reference of every algorithm card's baselines."""
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.base import Algorithm, PlainSGDProgram, own_model
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -22,11 +23,8 @@ class LocalOnly(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"params": clone(server["params"]), "buffers": clone(server["buffers"])}
 
-    def local_start(
-        self, message: Message, state: State | None, task: ClientTask
-    ) -> tuple[Tree, Tree]:
-        assert state is not None
-        return state["params"], state["buffers"]
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(self, start=own_model, finish=self.local_finish)
 
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution

@@ -18,15 +18,15 @@ Reptile: train.lr). The cold-start evaluation starts a new client from theta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmContext
+from fedloom.algorithms.base import Algorithm, AlgorithmContext, finetuned_models
 from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
-from fedloom.solvers.objective_sgd import objective_sgd
+from fedloom.solvers.local import local_sgd
 
 ADAPT_PURPOSE = "adapt"
 """Stream of the adaptation minibatches (shared with the engine's cold-start evaluation)."""
@@ -41,17 +41,27 @@ def adapt_steps_field() -> Any:
 
 
 def adapt(
-    ctx: AlgorithmContext, params: Tree, buffers: Tree, task: ClientTask, steps: int, lr: float
+    ctx: AlgorithmContext,
+    params: Tree,
+    buffers: Tree,
+    task: ClientTask,
+    steps: int,
+    lr: float,
+    purpose: str = ADAPT_PURPOSE,
+    trainable: Collection[str] | None = None,
 ) -> tuple[Tree, Tree]:
     """(params, buffers) after ``steps`` SGD steps at ``lr`` on the client's training data
-    (minibatches from the stream (seed, 'adapt', task.round, client)); ``steps`` 0, or a client
-    without training data: the inputs themselves."""
+    (minibatches from the stream (seed, ``purpose``, task.round, client)), moving only the
+    ``trainable`` parameters (default: all; FedPer's head); ``steps`` 0, or a client without
+    training data: the inputs themselves."""
     data, model = task.data, ctx.model
     if steps == 0 or data.num_train == 0:
         return params, buffers
-    plan = ctx.make_plan(data, steps, ADAPT_PURPOSE, task.round, task.client_id)
+    plan = ctx.make_plan(data, steps, purpose, task.round, task.client_id)
     with model.random_stream(ctx.seed, task.round, task.client_id):
-        solved = objective_sgd(model, params, buffers, data.x_train, data.y_train, plan, lr)
+        solved = local_sgd(
+            model, params, buffers, data.x_train, data.y_train, plan, lr, trainable=trainable
+        )
     return solved.params, solved.buffers
 
 
@@ -78,7 +88,7 @@ class AdaptedDeployment(Algorithm):
         steps: int = self.config.adapt_steps  # type: ignore[attr-defined]
         if not steps:
             return None
-        return self.finetuned_models(theta, tasks, steps, ADAPT_PURPOSE, self.deployment_lr())
+        return finetuned_models(self.ctx, theta, tasks, steps, ADAPT_PURPOSE, self.deployment_lr())
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

@@ -3,21 +3,22 @@ backends run: the local step of the function-space regularizers FedNTD, FedLC, F
 FedProto, whose objectives see the logits and (FedProto, FedGen) the head's input features, not
 only the model's loss::
 
-    w <- local_start
+    w <- start(message, state)
     for each minibatch B of client_plan:
         out, h <- f(x_B; w), the input of the model's head on x_B     # h: when ``head`` is set
-        w      <- w - local_lr grad_w objective(w, out, h, B, carry, shared)
-    local_finish(w)
+        w      <- w - lr grad_w objective(w, out, h, B, carry, shared)
+    finish(w)
 
-It is the FedAvg family's :class:`SGDProgram` (plan, start, step size and finish from the
-algorithm's hooks) with its step replaced, so a subclass states only its objective and what it
-adds to the carry (per-client tensors: FedLC's class counts, FedGen's noise) or to the round's
-shared values (FedNTD's teacher, FedProto's prototype table). An objective is a pure function
-of tensors: it branches in Python on the config or on values fixed in ``init`` / ``shared``,
-never on tensor values; it averages per-sample terms with ``batch.mean`` (or
-:func:`fedloom.solvers.program.weighted_mean` with ``batch.w``), so the weight-0 samples the
-vmap backend pads minibatches with count for nothing; random draws come from the client's own
-stream in ``init``, never inside the objective (vmap would share them across clients).
+It is the FedAvg family's :class:`SGDProgram` (its plan and step size; its ``start`` and
+``finish`` options, no momentum, no correction) with its step replaced, so a subclass states
+only its objective and what it adds to the carry (per-client tensors: FedLC's class counts,
+FedGen's noise) or to the round's shared values (FedNTD's teacher, FedProto's prototype table).
+An objective is a pure function of tensors: it branches in Python on the config or on values
+fixed in ``init`` / ``shared``, never on tensor values; it averages per-sample terms with
+``batch.mean`` (or :func:`fedloom.solvers.program.weighted_mean` with ``batch.w``), so the
+weight-0 samples the vmap backend pads minibatches with count for nothing; random draws come
+from the client's own stream in ``init``, never inside the objective (vmap would share them
+across clients).
 
 A round whose objective adds nothing to the model's loss (``regularized`` False: FedNTD's
 beta = 0, FedProto before any prototype exists, FedGen before its generator has trained) is
@@ -32,13 +33,19 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms.base import Algorithm, SGDProgram
+from fedloom.algorithms.base import (
+    Algorithm,
+    Finish,
+    SGDProgram,
+    Start,
+    server_model,
+    upload_model,
+)
 from fedloom.algorithms.weights import aggregation_weight
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
+from fedloom.solvers.local import Batch as LeanBatch
 from fedloom.solvers.local import LocalSolution
-from fedloom.solvers.objective_sgd import Batch as LeanBatch
-from fedloom.solvers.objective_sgd import objective_sgd
 from fedloom.solvers.program import Batch, Carry, Ops
 
 Shared = dict[str, Any]
@@ -63,14 +70,16 @@ class ObjectiveProgram(SGDProgram):
     head: str | None = None
     """The model's head module whose input the objective sees as ``h`` (None: h is None)."""
 
-    def __init__(self, algorithm: Algorithm, head: str | None = None) -> None:
-        super().__init__(algorithm)
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        head: str | None = None,
+        *,
+        start: Start = server_model,
+        finish: Finish = upload_model,
+    ) -> None:
+        super().__init__(algorithm, start=start, finish=finish)
         self.head = head
-        if self.momentum or self.corrected:
-            raise NotImplementedError(
-                f"{algorithm.name}: an objective program takes plain SGD steps (no "
-                "local_momentum, no local_correction)"
-            )
 
     def regularized(self, message: Message) -> bool:
         """Whether this round's objective differs from the model's loss (default: yes); decided
@@ -84,9 +93,8 @@ class ObjectiveProgram(SGDProgram):
         self, message: Message, state: State | None, task: ClientTask
     ) -> ClientResult | None:
         """The sequential backend's fused path: the same steps on the lean flat-buffer trainer
-        (:func:`fedloom.solvers.objective_sgd.objective_sgd`, cheaper per step than stepping
-        through ``step``), the objective seeing the trainer's parameters and a minibatch of
-        real samples."""
+        (``SGDProgram.lean_sgd``, cheaper per step than stepping through ``step``), the
+        objective seeing the trainer's parameters and a minibatch of real samples."""
         if not self.regularized(message):
             return self.lean_sgd(message, state, task)
         carry = self.init(message, state, task)
@@ -102,19 +110,7 @@ class ObjectiveProgram(SGDProgram):
             fwd = Forward(params, lean.out, lean.features)
             return self.objective(fwd, batch, self.at_step(carry, lean.step), shared)
 
-        data = task.data
-        solved = objective_sgd(
-            self.model,
-            carry["params"],
-            carry["buffers"],
-            data.x_train,
-            data.y_train,
-            self.algorithm.client_plan(task),
-            shared["lr"],
-            objective,
-            head=self.head,
-        )
-        return self.algorithm.local_finish(message, state, task, solved)
+        return self.lean_sgd(message, state, task, objective, self.head)
 
     def at_step(self, carry: Carry, step: int) -> Carry:
         """The carry as ``step`` (0-based) of the client's steps sees it, on the fused path
@@ -163,3 +159,15 @@ def model_result(task: ClientTask, solved: LocalSolution, weighting: str) -> Cli
     1 (``uniform``)."""
     upload = {"params": solved.params, "buffers": solved.buffers}
     return ClientResult(upload, aggregation_weight(weighting, task.data.num_train), solved.loss)
+
+
+def weighted_upload(weighting: str) -> Finish:
+    """The ``finish`` option that uploads the local model weighted by ``weighting``
+    (``model_result``): FedNTD's and FedLC's."""
+
+    def finish(
+        message: Message, state: State | None, task: ClientTask, solved: LocalSolution
+    ) -> ClientResult:
+        return model_result(task, solved, weighting)
+
+    return finish

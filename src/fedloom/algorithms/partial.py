@@ -19,13 +19,23 @@ A subclass says which keys are local (``local_keys``) and how clients are weight
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    PlainSGDProgram,
+    aggregate_models,
+)
+from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, select
+from fedloom.errors import ConfigError
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -100,7 +110,7 @@ class PartialSharing(Algorithm):
         return {"params": server["params"], "buffers": server["buffers"]}
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        return {**self.aggregate_models(results), "initial_local": server["initial_local"]}
+        return {**aggregate_models(self.ctx, results), "initial_local": server["initial_local"]}
 
     # -- client ---------------------------------------------------------------------------
     def init_client_state(self, server: State, client_id: int) -> State:
@@ -110,6 +120,10 @@ class PartialSharing(Algorithm):
             "buffers": clone(initial["buffers"]),
             "steps": torch.zeros((), dtype=torch.int64),
         }
+
+    def make_program(self) -> ClientProgram:
+        """Local SGD of [shared, own local part], uploading the shared part."""
+        return PlainSGDProgram(self, start=self.local_start, finish=self.local_finish)
 
     def local_start(
         self, message: Message, state: State | None, task: ClientTask
@@ -165,3 +179,52 @@ class PartialSharing(Algorithm):
 
     def adaptation_keys(self) -> list[str] | None:
         return list(self.split.local_params)
+
+
+class HeadBodySplitConfig(AlgorithmConfig):
+    weighting: Weighting = weighting_field(
+        "samples", "averaging weights of the shared part (paper: samples)"
+    )
+
+
+class HeadBodySplit(PartialSharing):
+    """The model split at its declared head (``FedModel.head_keys``): FedPer (Arivazhagan et
+    al., 2019, arXiv:1912.00818) keeps the head on each client and shares the body, LG-FedAvg
+    (Liang et al., 2019, arXiv:2001.01523, Algorithm 1) the reverse. The shared part is
+    averaged with the objective weights of the config's ``weighting`` (algorithms/weights.py)."""
+
+    Config = HeadBodySplitConfig
+    personal_head: ClassVar[bool] = True
+    """True: the head stays on each client (FedPer); False: the body does (LG-FedAvg)."""
+
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
+        module = ctx.model.module
+        head_keys = getattr(module, "head_keys", None)
+        self.head = set(head_keys()) if callable(head_keys) else set()
+        self.head_modules = tuple(getattr(module, "head_modules", ()))
+        super().__init__(config, ctx)
+        if not self.split.local_params or not self.split.shared_params:
+            roles = (
+                "shares the body and personalizes the head"
+                if self.personal_head
+                else "keeps the body local and shares the head"
+            )
+            problem = (
+                "declares no head"
+                if not self.head
+                else "has no body (no parameters outside the head)"
+            )
+            raise ConfigError(
+                f"algorithm.name: {self.name} {roles} of the model (FedModel.head_modules), "
+                f"and {type(module).__name__} {problem}; use e.g. model.name: mlp, cnn or "
+                "char_lstm"
+            )
+
+    def local_keys(self) -> set[str]:
+        if self.personal_head:
+            return self.head
+        model = self.ctx.model
+        return (set(model.param_keys) | set(model.buffer_keys)) - self.head
+
+    def client_weight(self, task: ClientTask) -> float:
+        return self.ctx.objective_weight(task.client_id, self.config.weighting)

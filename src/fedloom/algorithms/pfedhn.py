@@ -55,11 +55,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, PlainSGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, num_bytes
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -234,6 +235,9 @@ class PFedHN(Algorithm):
         }
 
     # -- client ---------------------------------------------------------------------------
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(self, start=self.local_start, finish=self.local_finish)
+
     def local_start(
         self, message: Message, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:

@@ -95,7 +95,13 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, StepProgram
+from fedloom.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    StepProgram,
+    aggregate_models,
+)
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, num_bytes, scale
@@ -206,7 +212,7 @@ class PFedMac(Algorithm):
         weights = [r.weight for r in results]
         hub_uploads = server["hub_uploads"]
         if self.hub_of is None:
-            mean = self.aggregate_models(results, weights)
+            mean = aggregate_models(self.ctx, results, weights)
         else:
             mean, hubs = self.hierarchical_mean(results, ids, weights)
             hub_uploads = hub_uploads + hubs
@@ -235,7 +241,7 @@ class PFedMac(Algorithm):
         hub_weights: list[float] = []
         for hub, members in sorted(groups.items()):
             inner = [results[i] for i in members]
-            model = self.aggregate_models(inner, [weights[i] for i in members])
+            model = aggregate_models(self.ctx, inner, [weights[i] for i in members])
             hub_models.append(ClientResult(model, 0.0, 0.0))
             how = self.config.hub_weighting
             if how == "members":
@@ -244,7 +250,7 @@ class PFedMac(Algorithm):
                 hub_weights.append(sum(weights[i] for i in members))
             else:
                 hub_weights.append(1.0)
-        return self.aggregate_models(hub_models, hub_weights), len(hub_models)
+        return aggregate_models(self.ctx, hub_models, hub_weights), len(hub_models)
 
     def summary_extras(self, server: State) -> dict:
         """What the run summary should add for pFedMac (an engine hook; see the report)."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram, average_buffers
 from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -75,7 +75,7 @@ class PFedMe(Algorithm):
         beta, theta = self.config.beta, server["params"]
         return {
             "params": {k: (1.0 - beta) * theta[k] + beta * mean[k] for k in theta},  # (7)
-            "buffers": self.average_buffers(server, results, p),
+            "buffers": average_buffers(self.ctx, server, results, p),
         }
 
     def deployed_model(

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig
+from fedloom.algorithms.base import AlgorithmConfig, PlainSGDProgram, upload_model
 from fedloom.algorithms.fedopt import ServerOptimizer, Slots
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -61,9 +62,12 @@ class Reptile(AdaptedDeployment, ServerOptimizer):
     def step(self, delta: Tree, state: Slots) -> tuple[Tree, Slots]:
         return delta, {}
 
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(self, finish=self.local_finish)
+
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
-        result = super().local_finish(message, state, task, solved)
+        result = upload_model(message, state, task, solved)
         result.weight = self.ctx.objective_weight(task.client_id, self.config.weighting)
         return result

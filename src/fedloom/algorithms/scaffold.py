@@ -23,10 +23,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, PlainSGDProgram, average_buffers
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, sub, zeros_like
+from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
@@ -57,8 +58,8 @@ class Scaffold(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"control": zeros_like(server["params"])}
 
-    def has_correction(self) -> bool:
-        return True
+    def make_program(self) -> ClientProgram:
+        return PlainSGDProgram(self, correction=self.local_correction, finish=self.local_finish)
 
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         assert state is not None
@@ -89,6 +90,6 @@ class Scaffold(Algorithm):
         mean_control = self.ctx.aggregate([r.upload["control_delta"] for r in results], p)
         return {
             "params": add(server["params"], mean_delta, alpha=self.config.server_lr),
-            "buffers": self.average_buffers(server, results, p),
+            "buffers": average_buffers(self.ctx, server, results, p),
             "control": add(server["control"], mean_control, alpha=sum(p)),
         }

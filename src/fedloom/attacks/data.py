@@ -23,7 +23,7 @@ from fedloom.core.rng import generator
 from fedloom.data.federated import FederatedData
 
 if TYPE_CHECKING:
-    from fedloom.config import AttackConfig
+    from fedloom.attacks.config import AttackConfig
 
 DATA_ATTACKS = ("label_flip", "random_labels", "backdoor")
 

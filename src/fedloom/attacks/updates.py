@@ -22,7 +22,7 @@ from fedloom.core.protocol import Message
 from fedloom.core.rng import generator
 
 if TYPE_CHECKING:
-    from fedloom.config import AttackConfig
+    from fedloom.attacks.config import AttackConfig
 
 MODEL_ATTACKS = ("gaussian", "scale", "sign_flip")
 

@@ -101,7 +101,7 @@ def _header(doc: dict[str, Any], title: str) -> str:
 def _cards(name: str, result: dict[str, Any]) -> list[Card]:
     glob, mean = result.get("global"), result.get("client_mean") or {}
     label = NAMES[name].split(" (")[0]
-    cards = [
+    return [
         Card(
             f"{label} · global model AUC",
             fmt.number(glob["auc"]) if glob else fmt.MISSING,
@@ -115,7 +115,6 @@ def _cards(name: str, result: dict[str, Any]) -> list[Card]:
             f"{len(result.get('clients', {}))} clients",
         ),
     ]
-    return cards
 
 
 def roc_panel(name: str, result: dict[str, Any]) -> Panel:
@@ -125,6 +124,7 @@ def roc_panel(name: str, result: dict[str, Any]) -> Panel:
         "True-positive rate (members flagged) against false-positive rate (non-members "
         "flagged): the diagonal is guessing. Log-scale FPR shows the low-FPR regime an audit "
         "cares about. Thin lines: each client's deployed model.",
+        wide=False,
     )
     fig = go.Figure()
     fig.add_trace(
@@ -165,7 +165,6 @@ def roc_panel(name: str, result: dict[str, Any]) -> Panel:
     fig.update_xaxes(type="log", range=[-3, 0])
     fig.update_yaxes(range=[0, 1])
     panel.figure = fig
-    panel.wide = False
     return panel
 
 
@@ -175,6 +174,7 @@ def auc_bar_panel(name: str, result: dict[str, Any]) -> Panel:
         f"AUC per client · {NAMES[name]}",
         "Each client's deployed (personalized) model on its own members against never-seen "
         "non-members; 0.5 is chance. The dashed line is the global model's.",
+        wide=False,
     )
     clients = result.get("clients", {})
     fig = go.Figure(
@@ -193,7 +193,6 @@ def auc_bar_panel(name: str, result: dict[str, Any]) -> Panel:
     lows = [r["auc"] for r in clients.values()] + [0.5]
     fig.update_yaxes(range=[min(0.45, min(lows) - 0.02), max(0.75, max(lows) + 0.02)])
     panel.figure = fig
-    panel.wide = False
     return panel
 
 

@@ -41,7 +41,7 @@ from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 
 if TYPE_CHECKING:
-    from fedloom.config import CompressionConfig
+    from fedloom.compression.config import CompressionConfig
 
 
 def build_scheme(config: CompressionConfig) -> Scheme:

@@ -9,7 +9,7 @@ Plotly library of the installed ``plotly`` package (nothing is loaded from the i
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -30,6 +30,7 @@ from fedloom.dashboard.pages import (
 from fedloom.dashboard.runs import Entry, RunsFolder
 from fedloom.report.compare import render_comparison
 from fedloom.report.html import render_report
+from fedloom.report.rundir import RunData
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 """Host headers accepted by default: a page on another site cannot read the dashboard
@@ -51,9 +52,6 @@ def create_app(
     header values served (None: any, for ``--allow-remote``)."""
     folder = RunsFolder(runs_dir)
 
-    def _entry(request: Request) -> Entry | None:
-        return folder.entry(request.path_params["name"])
-
     def _missing(name: str) -> HTMLResponse:
         return HTMLResponse(
             message_page("No such run", f"There is no run called '{name}' in {folder.root}."),
@@ -65,6 +63,26 @@ def create_app(
             message_page("Run cannot be read", entry.error or "unreadable"), status_code=422
         )
 
+    def _readable(name: str) -> tuple[Entry, RunData] | HTMLResponse:
+        """The run called ``name`` with its data, or the page saying why it cannot be shown."""
+        entry = folder.entry(name)
+        if entry is None:
+            return _missing(name)
+        if entry.run is None:
+            return _unreadable(entry)
+        return entry, entry.run
+
+    def _run_html(render: Callable[[Entry, RunData], str]) -> Callable[[Request], Response]:
+        """A route answering ``render(entry, run)`` for the run named in the path."""
+
+        def route(request: Request) -> Response:
+            found = _readable(request.path_params["name"])
+            if isinstance(found, Response):
+                return found
+            return HTMLResponse(render(*found), headers=NO_STORE)
+
+        return route
+
     def _payload(entry: Entry) -> dict:
         return folder.cached(entry, "payload", run_payload)
 
@@ -74,24 +92,11 @@ def create_app(
     def api_runs(request: Request) -> Response:
         return JSONResponse(runs_json(folder), headers=NO_STORE)
 
-    def run(request: Request) -> Response:
-        entry = _entry(request)
-        if entry is None:
-            return _missing(request.path_params["name"])
-        if entry.run is None:
-            return _unreadable(entry)
-        return HTMLResponse(run_page(entry, _payload(entry)), headers=NO_STORE)
-
-    def report(request: Request) -> Response:
-        entry = _entry(request)
-        if entry is None:
-            return _missing(request.path_params["name"])
-        if entry.run is None:
-            return _unreadable(entry)
-        return HTMLResponse(render_report(entry.run), headers=NO_STORE)
+    run = _run_html(lambda entry, _run: run_page(entry, _payload(entry)))
+    report = _run_html(lambda _entry, run: render_report(run))
 
     def api_run(request: Request) -> Response:
-        entry = _entry(request)
+        entry = folder.entry(request.path_params["name"])
         if entry is None:
             name = request.path_params["name"]
             return JSONResponse({"error": f"no run called '{name}'"}, status_code=404)
@@ -112,15 +117,13 @@ def create_app(
             )
         entries = []
         for name in dict.fromkeys(names):  # each run once, in the order given
-            entry = folder.entry(name)
-            if entry is None:
-                return _missing(name)
-            if entry.run is None:
-                return _unreadable(entry)
-            entries.append(entry)
+            found = _readable(name)
+            if isinstance(found, Response):
+                return found
+            entries.append(found)
         html = render_comparison(
-            [e.run for e in entries if e.run is not None],
-            [e.name for e in entries],
+            [run for _, run in entries],
+            [entry.name for entry, _ in entries],
             plotlyjs=PLOTLY_URL,
             back_href="/",
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -61,14 +61,10 @@ class FederatedData:
         ]
 
     def subset(self, client_ids: Sequence[int]) -> FederatedData:
-        return FederatedData(
-            name=self.name,
+        return replace(
+            self,
             clients=[self.clients[i] for i in client_ids],
-            task=self.task,
-            input_shape=self.input_shape,
-            num_outputs=self.num_outputs,
             client_names=[self.client_names[i] for i in client_ids],
-            extras=self.extras,
         )
 
 

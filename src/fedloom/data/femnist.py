@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from fedloom.data.federated import ClientData, FederatedData
-from fedloom.data.spec import DATASETS, NATURAL, DataRequest, DatasetSpec
-from fedloom.errors import ConfigError, DataError
+from fedloom.data.natural import add_natural_dataset, first_users, from_users
+from fedloom.data.spec import DataRequest
+from fedloom.errors import DataError
 
 CLASSES = 62
 HOW_TO_GET = (
@@ -71,42 +72,17 @@ def load_femnist_writers(root: str, root_source: str = "") -> dict[str, tuple[Wr
 
 def build(req: DataRequest) -> FederatedData:
     writers = load_femnist_writers(str(req.root), req.root_source)
-    names = list(writers)
-    if req.num_clients is not None:
-        if req.num_clients > len(names):
-            raise ConfigError(
-                f"data.num_clients: femnist under {req.root} has {len(names)} writers, "
-                f"got {req.num_clients}"
-            )
-        names = names[: req.num_clients]
-    clients = []
-    for uid in names:
+    available = f"femnist under {req.root} has {len(writers)} writers"
+    users = {}
+    for uid in first_users(list(writers), req.num_clients, available):
         (xtr, ytr), (xte, yte) = writers[uid]
-        clients.append(
-            ClientData(
-                torch.from_numpy(xtr),
-                torch.from_numpy(ytr),
-                torch.from_numpy(xte),
-                torch.from_numpy(yte),
-            )
+        users[uid] = ClientData(
+            torch.from_numpy(xtr),
+            torch.from_numpy(ytr),
+            torch.from_numpy(xte),
+            torch.from_numpy(yte),
         )
-    return FederatedData(
-        name="femnist",
-        clients=clients,
-        task="classification",
-        input_shape=(1, 28, 28),
-        num_outputs=CLASSES,
-        client_names=names,
-    )
+    return from_users("femnist", users, input_shape=(1, 28, 28), num_classes=CLASSES)
 
 
-DATASETS.add(
-    "femnist",
-    DatasetSpec(
-        name="femnist",
-        build=build,
-        partitions=NATURAL,
-        default_partition="natural",
-        default_num_clients=None,
-    ),
-)
+add_natural_dataset("femnist", build)

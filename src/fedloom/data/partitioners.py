@@ -23,11 +23,25 @@ def _classes(labels: np.ndarray) -> np.ndarray:
     return np.unique(labels)
 
 
-@PARTITIONS.register("iid")
-class IIDPartition(Partition):
-    """Shuffle, then deal equal shares (sizes differ by at most one)."""
+class LabelSkewPartition(Partition):
+    """Base of the label-skew splits: they need integer class labels and deal by class."""
 
-    kind: Literal["iid"] = "iid"
+    needs_labels: ClassVar[bool] = True
+
+    def split(
+        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
+    ) -> list[np.ndarray]:
+        return self.split_classes(labels, _classes(labels), num_clients, rng)
+
+    def split_classes(
+        self, labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator
+    ) -> list[np.ndarray]:
+        """One index array per client, given the sorted distinct ``classes`` of ``labels``."""
+        raise NotImplementedError
+
+
+class ShuffledPartition(Partition):
+    """Base of the IID splits: shuffle, then deal equal shares (sizes differ by at most one)."""
 
     def split(
         self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
@@ -35,8 +49,15 @@ class IIDPartition(Partition):
         return np.array_split(rng.permutation(len(labels)), num_clients)
 
 
+@PARTITIONS.register("iid")
+class IIDPartition(ShuffledPartition):
+    """Shuffle, then deal equal shares (sizes differ by at most one)."""
+
+    kind: Literal["iid"] = "iid"
+
+
 @PARTITIONS.register("dirichlet")
-class DirichletPartition(Partition):
+class DirichletPartition(LabelSkewPartition):
     """Label skew: for each class, client shares ~ Dir(alpha).
 
     Hsu, Qi & Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated
@@ -47,12 +68,10 @@ class DirichletPartition(Partition):
     kind: Literal["dirichlet"] = "dirichlet"
     alpha: float = Field(0.5, gt=0, allow_inf_nan=False)
     min_size: int = Field(10, ge=1)
-    needs_labels: ClassVar[bool] = True
 
-    def split(
-        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
+    def split_classes(
+        self, labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator
     ) -> list[np.ndarray]:
-        classes = _classes(labels)
         if num_clients * self.min_size > len(labels):
             raise ConfigError(
                 f"{KEY}.min_size: {num_clients} clients x min_size {self.min_size} exceeds the "
@@ -95,7 +114,7 @@ def _shards_per_class(counts: np.ndarray, total: int, num_clients: int) -> np.nd
 
 
 @PARTITIONS.register("shards")
-class ShardsPartition(Partition):
+class ShardsPartition(LabelSkewPartition):
     """Pathological label skew: label-sorted shards, ``shards_per_client`` per client.
 
     McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
@@ -106,12 +125,10 @@ class ShardsPartition(Partition):
 
     kind: Literal["shards"] = "shards"
     shards_per_client: int = Field(2, ge=1)
-    needs_labels: ClassVar[bool] = True
 
-    def split(
-        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
+    def split_classes(
+        self, labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator
     ) -> list[np.ndarray]:
-        classes = _classes(labels)
         counts = np.array([(labels == c).sum() for c in classes])
         spc = self.shards_per_client
         total = num_clients * spc
@@ -188,18 +205,13 @@ class NaturalPartition(Partition):
 
 
 @PARTITIONS.register("rotation")
-class RotationPartition(Partition):
+class RotationPartition(ShuffledPartition):
     """Feature shift: an IID split where client k's images are rotated by
     ``angles[k % len(angles)]`` degrees (Ghosh et al., IFCA, NeurIPS 2020)."""
 
     kind: Literal["rotation"] = "rotation"
     angles: list[float] = Field(default_factory=lambda: [0.0, 90.0, 180.0, 270.0], min_length=1)
     needs_images: ClassVar[bool] = True
-
-    def split(
-        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
-    ) -> list[np.ndarray]:
-        return np.array_split(rng.permutation(len(labels)), num_clients)
 
     def angle(self, client: int) -> float:
         return float(self.angles[client % len(self.angles)])

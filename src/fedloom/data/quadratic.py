@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fedloom.core.rng import numpy_rng
 from fedloom.data.federated import ClientData, FederatedData
+from fedloom.data.natural import add_natural_dataset
 from fedloom.data.pool import num_test
-from fedloom.data.spec import DATASETS, NATURAL, DataRequest, DatasetSpec
+from fedloom.data.spec import DataRequest
 from fedloom.errors import ConfigError
 
 DEFAULT_CLIENTS = 10
@@ -235,14 +236,5 @@ def build(req: DataRequest) -> FederatedData:
     )
 
 
-DATASETS.add(
-    "quadratic",
-    DatasetSpec(
-        name="quadratic",
-        build=build,
-        partitions=NATURAL,
-        default_partition="natural",
-        default_num_clients=None,  # DEFAULT_CLIENTS, or len(samples) when it is a list
-        options=QuadraticOptions,
-    ),
-)
+# default_num_clients None: DEFAULT_CLIENTS, or len(samples) when it is a list
+add_natural_dataset("quadratic", build, options=QuadraticOptions)

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedloom.data.download import ensure_files
 from fedloom.data.federated import ClientData, FederatedData
-from fedloom.data.spec import DATASETS, NATURAL, DataRequest, DatasetSpec
+from fedloom.data.natural import add_natural_dataset, first_users, from_users
+from fedloom.data.spec import DataRequest
 from fedloom.errors import ConfigError
 
 #: LEAF's vocabulary (``ALL_LETTERS`` in its language-model utilities): 80 characters.
@@ -101,14 +102,11 @@ def build(req: DataRequest) -> FederatedData:
         ((len(t), name) for name, t in roles.items() if len(t) >= opt.min_chars),
         key=lambda item: (-item[0], item[1]),
     )
-    if req.num_clients is not None:
-        if req.num_clients > len(kept):
-            raise ConfigError(
-                f"data.num_clients: only {len(kept)} roles have >= {opt.min_chars} characters "
-                f"(data.shakespeare.min_chars), got {req.num_clients}"
-            )
-        kept = kept[: req.num_clients]
-    clients, names = [], []
+    available = (
+        f"only {len(kept)} roles have >= {opt.min_chars} characters (data.shakespeare.min_chars)"
+    )
+    kept = first_users(kept, req.num_clients, available)
+    users = {}
     for length, name in kept:
         ids = encode(roles[name])
         cut = length - round(req.test_fraction * length)
@@ -120,15 +118,12 @@ def build(req: DataRequest) -> FederatedData:
             )
         x_train, y_train = windows(ids[:cut])
         x_test, y_test = windows(ids[cut:])
-        clients.append(ClientData(x_train, y_train, x_test, y_test))
-        names.append(name)
-    return FederatedData(
-        name="shakespeare",
-        clients=clients,
-        task="classification",
+        users[name] = ClientData(x_train, y_train, x_test, y_test)
+    return from_users(
+        "shakespeare",
+        users,
         input_shape=(SEQ_LEN,),
-        num_outputs=len(ALL_LETTERS),
-        client_names=names,
+        num_classes=len(ALL_LETTERS),
         extras={
             "vocab": ALL_LETTERS,
             "unknown_id": UNKNOWN_ID,
@@ -138,14 +133,4 @@ def build(req: DataRequest) -> FederatedData:
     )
 
 
-DATASETS.add(
-    "shakespeare",
-    DatasetSpec(
-        name="shakespeare",
-        build=build,
-        partitions=NATURAL,
-        default_partition="natural",
-        default_num_clients=None,
-        options=ShakespeareOptions,
-    ),
-)
+add_natural_dataset("shakespeare", build, options=ShakespeareOptions)

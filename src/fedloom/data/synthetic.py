@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedloom.core.rng import numpy_rng
 from fedloom.data.federated import ClientData, FederatedData
+from fedloom.data.natural import add_natural_dataset, from_users
 from fedloom.data.pool import num_test
-from fedloom.data.spec import DATASETS, NATURAL, DataRequest, DatasetSpec
+from fedloom.data.spec import DataRequest
 
 DIM = 60
 CLASSES = 10
@@ -49,7 +50,7 @@ def build(req: DataRequest) -> FederatedData:
     shared = numpy_rng(req.seed, "synthetic/shared_model")
     w_shared, b_shared = shared.normal(0, 1, (DIM, CLASSES)), shared.normal(0, 1, CLASSES)
     std = np.sqrt(feature_variances())
-    clients: list[ClientData] = []
+    users: dict[str, ClientData] = {}
     v_all, w_all, b_all = [], [], []
     for k in range(n_dev):
         dev = numpy_rng(req.seed, "synthetic/device", client=k)
@@ -64,17 +65,15 @@ def build(req: DataRequest) -> FederatedData:
         cut = len(x) - num_test(len(x), req.test_fraction)
         xt = torch.from_numpy(x.astype(np.float32))
         yt = torch.from_numpy(y.astype(np.int64))
-        clients.append(ClientData(xt[:cut], yt[:cut], xt[cut:], yt[cut:]))
+        users[f"device_{k}"] = ClientData(xt[:cut], yt[:cut], xt[cut:], yt[cut:])
         v_all.append(v)
         w_all.append(w)
         b_all.append(b)
-    return FederatedData(
-        name="synthetic",
-        clients=clients,
-        task="classification",
+    return from_users(
+        "synthetic",
+        users,
         input_shape=(DIM,),
-        num_outputs=CLASSES,
-        client_names=[f"device_{k}" for k in range(n_dev)],
+        num_classes=CLASSES,
         extras={
             "alpha": opt.alpha,
             "beta": opt.beta,
@@ -90,14 +89,6 @@ def build(req: DataRequest) -> FederatedData:
     )
 
 
-DATASETS.add(
-    "synthetic",
-    DatasetSpec(
-        name="synthetic",
-        build=build,
-        partitions=NATURAL,
-        default_partition="natural",
-        default_num_clients=DEFAULT_CLIENTS,
-        options=SyntheticOptions,
-    ),
+add_natural_dataset(
+    "synthetic", build, default_num_clients=DEFAULT_CLIENTS, options=SyntheticOptions
 )

@@ -4,6 +4,7 @@ model and contribution evaluation read, so that the test sets stay untouched."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -35,16 +36,7 @@ def hold_out_validation(
         x, y = client.x_train, client.y_train
         trained.append(ClientData(x[keep], y[keep], client.x_test, client.y_test))
         held.append(ClientData(x[:0], y[:0], x[val], y[val]))
-    split = FederatedData(
-        name=data.name,
-        clients=trained,
-        task=data.task,
-        input_shape=data.input_shape,
-        num_outputs=data.num_outputs,
-        client_names=data.client_names,
-        extras=data.extras,
-    )
-    return split, held
+    return replace(data, clients=trained), held
 
 
 def pooled(sets: Sequence[ClientData]) -> ClientData:

@@ -16,9 +16,12 @@ uploads (FedAsync: x + alpha_t (x_new - x); FedBuff: x + eta_g s_k Delta_k): for
 weighted mean that is the papers' rule exactly, and an algorithm with a server optimizer
 (FedAvgM, FedAdam, ...) applies its optimizer to the same pseudo-gradient, as FedBuff allows.
 
-A "round" is one server step. Clients dispatched together (same time, same version) train
-together on the executor; their results wait in flight, with the clock and the buffer, in the
-run state (``RunState.asynchrony``), so a resumed run equals an uninterrupted one. Arrivals
+A "round" is one server step. Asynchrony is a schedule over the round pipeline
+(engine/pipeline.py): clients dispatched together (same time, same version) go through its
+dispatch stage together (message, training on the executor, screening, the mechanisms' upload
+hooks), and the server's steps go through its server stage. Their results wait in flight,
+with the clock and the buffer, in the run state (``RunState.asynchrony``, typed records in
+engine/async_state.py), so a resumed run equals an uninterrupted one. Arrivals
 at the same virtual time are all taken before the freed slots are refilled, which makes
 FedBuff with equal speeds and K = concurrency = every client exactly synchronous FedAvg.
 
@@ -33,33 +36,33 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms import Algorithm
 from fedloom.config import AsynchronyConfig, RunConfig, SpeedsConfig
 from fedloom.core import pytree
+from fedloom.core.mechanism import ServerStep
 from fedloom.core.protocol import ClientResult, ClientTask, Message
+from fedloom.engine.async_state import Job
 from fedloom.engine.clock import Speeds, config_staleness
 from fedloom.engine.context import Callback, RunContext
-from fedloom.engine.nonfinite import DivergenceError, screen
+from fedloom.engine.nonfinite import DivergenceError
+from fedloom.engine.pipeline import RoundPipeline, SyncRounds
 from fedloom.engine.sampling import sample_clients
+from fedloom.engine.shell import due
 from fedloom.engine.state import RoundReport, RunState
-from fedloom.engine.workload import client_tasks
 
 CLOCK = "clock"
 """Metrics rows' and summary.json's key of the virtual time."""
 
-Job = dict[str, Any]
-"""One dispatched client (in flight, then in the buffer): plain values and tensors, so that
-the run state's checkpoint holds it (engine/checkpoint.py)."""
 
-
-def make_timing(config: RunConfig, ids: list[int]) -> SyncClock | AsyncServer | None:
-    """The run's clock over the training clients ``ids``: None for a synchronous run without
-    ``asynchrony.speeds``."""
+def make_schedule(config: RunConfig, ids: list[int]) -> tuple[SyncRounds | AsyncServer, list]:
+    """The run's schedule over the training clients ``ids`` and the clock's callbacks (the
+    asynchronous server itself, or the clock of synchronous rounds with
+    ``asynchrony.speeds``)."""
     cfg = config.asynchrony
     speeds = Speeds(cfg.speeds or SpeedsConfig(), config.seed, ids)
     if cfg.kind != "none":
-        return AsyncServer(cfg, speeds, config.train.clients_per_round or len(ids))
-    return SyncClock(speeds) if cfg.speeds is not None else None
+        server = AsyncServer(cfg, speeds, config.train.clients_per_round or len(ids))
+        return server, [server]
+    return SyncRounds(), [SyncClock(speeds)] if cfg.speeds is not None else []
 
 
 class SyncClock(Callback):
@@ -71,232 +74,194 @@ class SyncClock(Callback):
 
     def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
         times = [self.speeds.duration(t.client_id, report.round, len(t.plan)) for t in report.tasks]
-        state.asynchrony[CLOCK] = state.asynchrony.get(CLOCK, 0.0) + max(times, default=0.0)
-        return {CLOCK: state.asynchrony[CLOCK]}
+        state.asynchrony.clock += max(times, default=0.0)
+        return {CLOCK: state.asynchrony.clock}
 
     def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
-        return {CLOCK: state.asynchrony.get(CLOCK, 0.0)}
+        return {CLOCK: state.asynchrony.clock}
 
 
 class AsyncServer(Callback):
-    """FedAsync or FedBuff (module docstring): drives ``Engine.train_round`` when
-    ``asynchrony.kind`` is not none."""
+    """FedAsync or FedBuff (module docstring): the run's schedule when ``asynchrony.kind`` is
+    not none, and the callback that reports it."""
 
     def __init__(self, config: AsynchronyConfig, speeds: Speeds, concurrency: int) -> None:
         self.config = config
         self.speeds = speeds
         self.concurrency = config.concurrency or concurrency
 
-    # -- the run state's part ---------------------------------------------------------------
-    @staticmethod
-    def state_of(state: RunState) -> dict[str, Any]:
-        """``state.asynchrony``, filled in at the start of a run."""
-        s = state.asynchrony
-        for key, value in (
-            (CLOCK, 0.0),
-            ("version", 0),  # server steps taken
-            ("events", 0),  # dispatch events so far (the key of their random streams)
-            ("in_flight", []),
-            ("buffer", []),
-            ("applied", 0),  # updates folded into the model
-            ("staleness_sum", 0),
-            ("staleness_max", 0),
-        ):
-            s.setdefault(key, value)
-        return s
-
     def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
-        s = self.state_of(state)
+        s = state.asynchrony
         asynchrony = {
             "kind": self.config.kind,
             "concurrency": self.concurrency,
-            "updates": s["applied"],
-            "dispatched": s["events"],
-            "staleness_mean": s["staleness_sum"] / s["applied"] if s["applied"] else None,
-            "staleness_max": s["staleness_max"],
+            "updates": s.applied,
+            "dispatched": s.events,
+            "staleness_mean": s.staleness_sum / s.applied if s.applied else None,
+            "staleness_max": s.staleness_max,
         }
-        return {CLOCK: s[CLOCK], "asynchrony": asynchrony}
+        return {CLOCK: s.clock, "asynchrony": asynchrony}
 
     # -- one server step --------------------------------------------------------------------
-    def train_round(self, ctx: RunContext, round: int, state: RunState) -> RoundReport:
+    def train_round(self, pipeline: RoundPipeline, round: int, state: RunState) -> RoundReport:
         """Advance the clock until the server takes its next step (round ``round``)."""
-        tick, s = time.perf_counter(), self.state_of(state)
+        tick, s = time.perf_counter(), state.asynchrony
         up, down = state.bytes_up, state.bytes_down
-        message = ctx.algorithm.server_message(state.server, round)
+        message = pipeline.algorithm.server_message(state.server, round)
+        applied = self.next_updates(pipeline, round, state)
+        staleness = [s.version - j.version for j in applied]
+        rebased = self.rebased(state, applied)
+        pipeline.server_step(state, ServerStep(round, message, rebased, {}, state.server))
+        s.version += 1
+        s.applied += len(applied)
+        s.staleness_sum += sum(staleness)
+        s.staleness_max = max(s.staleness_max, *staleness)
+        assert s.version == round, (s.version, round)
+        state.round = round
+        cfg = pipeline.config
+        report = RoundReport(
+            round,
+            [j.client for j in applied],
+            message,
+            [self.task(pipeline, j) for j in applied],
+            [self.reported(j) for j in applied],
+            state.bytes_up - up,
+            state.bytes_down - down,
+            time.perf_counter() - tick,
+            due(round, cfg.eval.every, cfg.train.rounds),
+        )
+        report.metrics[CLOCK] = s.clock
+        report.metrics["asynchrony"] = {
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "in_flight": len(s.in_flight),
+            "dispatched": s.events,
+        }
+        return report
+
+    def next_updates(self, pipeline: RoundPipeline, round: int, state: RunState) -> list[Job]:
+        """Dispatch and take arrivals in time order until a server step is due: its updates."""
+        s = state.asynchrony
         lost = 0  # arrivals of non-finite results (train.nonfinite: drop) in this step
         while True:
-            self.dispatch(ctx, state)
-            job = min(s["in_flight"], key=lambda j: (j["finish"], j["event"], j["client"]))
-            s["in_flight"].remove(job)
-            s[CLOCK] = job["finish"]
-            applied = self.arrive(ctx, state, job)
+            self.dispatch(pipeline, state)
+            job = min(s.in_flight, key=lambda j: (j.finish, j.event, j.client))
+            s.in_flight.remove(job)
+            s.clock = job.finish
+            applied = self.arrive(state, job)
             if applied:
-                break
-            lost += job["delta"] is None
+                return applied
+            lost += job.delta is None
             if lost > 10 * max(self.concurrency, self.config.buffer):
                 raise DivergenceError(
                     f"round {round}: the last {lost} client updates were all non-finite "
                     "(train.nonfinite: drop) and the server cannot step; lower train.lr"
                 )
-        staleness = [s["version"] - j["version"] for j in applied]
-        state.server = ctx.algorithm.aggregate(state.server, self.rebased(state, applied))
-        s["version"] += 1
-        s["applied"] += len(applied)
-        s["staleness_sum"] += sum(staleness)
-        s["staleness_max"] = max(s["staleness_max"], *staleness)
-        assert s["version"] == round, (s["version"], round)
-        state.mechanisms = ctx.mechanisms.state_dict()
-        state.round = round
-        cfg = ctx.config
-        report = RoundReport(
-            round,
-            [j["client"] for j in applied],
-            message,
-            [self.task(ctx, j) for j in applied],
-            [self.reported(j) for j in applied],
-            state.bytes_up - up,
-            state.bytes_down - down,
-            time.perf_counter() - tick,
-            round % cfg.eval.every == 0 or round == cfg.train.rounds,
-        )
-        report.metrics[CLOCK] = s[CLOCK]
-        report.metrics["asynchrony"] = {
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            "in_flight": len(s["in_flight"]),
-            "dispatched": s["events"],
-        }
-        return report
 
     @staticmethod
     def reported(job: Job) -> ClientResult:
         """What the round's report shows of an applied job: its delta, weight, loss, info."""
+        assert job.delta is not None
         return ClientResult(
-            {"delta": job["delta"]["params"]},
-            job["weight"],
-            job["loss"],
-            info=job["info"],
-            client_id=job["client"],
-            round=job["event"],
+            {"delta": job.delta["params"]},
+            job.weight,
+            job.loss,
+            info=job.info,
+            client_id=job.client,
+            round=job.event,
         )
 
     @staticmethod
-    def task(ctx: RunContext, job: Job) -> ClientTask:
+    def task(pipeline: RoundPipeline, job: Job) -> ClientTask:
         """The work order ``job`` ran (its minibatch plan made again from its stream)."""
-        c, data = job["client"], ctx.training.data[job["client"]]
-        plan = ctx.algorithm.ctx.make_plan(data, job["steps"], "batches", job["event"], c)
-        return ClientTask(c, data, plan, ctx.config.train.lr, job["event"], full=job["steps"])
+        c, data = job.client, pipeline.training.data[job.client]
+        plan = pipeline.algorithm.ctx.make_plan(data, job.steps, "batches", job.event, c)
+        return ClientTask(c, data, plan, pipeline.config.train.lr, job.event, full=job.steps)
 
-    def dispatch(self, ctx: RunContext, state: RunState) -> None:
-        """Fill the free slots with idle clients, sent the current model; they train now (one
-        executor call) and arrive later on the clock. Arrivals due at the current time come
-        first: nothing is dispatched while one is pending."""
-        s, algorithm, cfg = state.asynchrony, ctx.algorithm, ctx.config
-        flight = s["in_flight"]
-        if any(j["finish"] <= s[CLOCK] for j in flight):
+    def dispatch(self, pipeline: RoundPipeline, state: RunState) -> None:
+        """Fill the free slots with idle clients, sent the current model; they go through the
+        pipeline's dispatch stage now (one executor call) and arrive later on the clock.
+        Arrivals due at the current time come first: nothing is dispatched while one is
+        pending."""
+        s = state.asynchrony
+        if any(j.finish <= s.clock for j in s.in_flight):
             return
-        busy = {j["client"] for j in flight}
-        idle = [c for c in ctx.training.data if c not in busy]
-        free = min(self.concurrency - len(flight), len(idle))
+        busy = {j.client for j in s.in_flight}
+        idle = [c for c in pipeline.training.data if c not in busy]
+        free = min(self.concurrency - len(s.in_flight), len(idle))
         if free <= 0:
             return
-        s["events"] += 1
-        event = s["events"]
-        clients = sample_clients(cfg.seed, event, idle, free)
-        message = algorithm.server_message(state.server, s["version"] + 1)
-        message = ctx.mechanisms.broadcast(message)  # compression.download: as decoded
-        new = [c for c in clients if c not in state.clients]
-        state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
-        ctx.mechanisms.start_round(event, message)
-        tasks = client_tasks(
-            cfg.train, cfg.seed, ctx.training.data, algorithm.ctx.make_plan, event, clients
-        )
-        results = ctx.executor.run_round(
-            algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
-        )
-        if algorithm.communicates:  # as encoded when compression is on, as in synchronous rounds
-            down = algorithm.download_bytes(message, clients)
-            state.bytes_down += ctx.mechanisms.download_bytes(down)
-        sizes = [
-            ctx.mechanisms.send_upload(event, r) if algorithm.communicates else 0 for r in results
-        ]
-        kept = screen(tasks, results, event, algorithm.config.model_dump(), cfg.train)
-        state.dropped_nonfinite += len(kept.dropped)
-        finished = dict(zip([t.client_id for t in kept.tasks], kept.results, strict=True))
-        for task, size in zip(tasks, sizes, strict=True):
-            c = task.client_id
-            job: Job = {
-                "client": c,
-                "version": s["version"],
-                "event": event,
-                "start": s[CLOCK],
-                "finish": s[CLOCK] + self.speeds.duration(c, event, len(task.plan)),
-                "steps": len(task.plan),
-                "bytes": size,
-                "delta": None,  # a non-finite result: its slot frees on arrival, nothing else
-            }
+        s.events += 1
+        clients = sample_clients(pipeline.config.seed, s.events, idle, free)
+        sent = pipeline.dispatch(state, s.events, clients, s.version + 1, clients)
+        state.bytes_down += sent.down
+        finished = {r.client_id: r for r in sent.results}
+        for c in clients:
+            steps = sent.steps[c]
+            job = Job(
+                client=c,
+                version=s.version,
+                event=s.events,
+                start=s.clock,
+                finish=s.clock + self.speeds.duration(c, s.events, steps),
+                steps=steps,
+                bytes=sent.sizes.get(c, 0),
+            )
             result = finished.get(c)
             if result is not None:
-                for transform in ctx.upload_transforms:
-                    result.upload = transform(result.upload, c, event)
-                job.update(self.payload(algorithm, message, result))
-            flight.append(job)
+                self.carry(job, sent.message, result)
+            s.in_flight.append(job)
 
-    def payload(self, algorithm: Algorithm, message: Message, result: ClientResult) -> Job:
+    def carry(self, job: Job, message: Message, result: ClientResult) -> None:
         """What an in-flight job carries for the server: its delta from the model it was sent
         (and, for FedAsync, the model itself), its weight, loss, metrics and new state."""
         upload = result.upload
-        delta = {key: pytree.sub(upload[key], message[key]) for key in ("params", "buffers")}
-        out: Job = {
-            "delta": delta,
-            "weight": float(result.weight),
-            "loss": float(result.loss),
-            "info": {k: float(v) for k, v in result.info.items()},
-            "state": result.state,
-        }
+        job.delta = {key: pytree.sub(upload[key], message[key]) for key in ("params", "buffers")}
+        job.weight, job.loss = float(result.weight), float(result.loss)
+        job.info = {k: float(v) for k, v in result.info.items()}
+        job.state = result.state
         if self.config.kind == "fedasync":
-            out["model"] = {key: dict(upload[key]) for key in ("params", "buffers")}
-        return out
+            job.model = {key: dict(upload[key]) for key in ("params", "buffers")}
 
-    def arrive(self, ctx: RunContext, state: RunState, job: Job) -> list[Job]:
+    def arrive(self, state: RunState, job: Job) -> list[Job]:
         """A job reaches the server: its upload counted, its client's state stored; returns
         the updates of the server step it completes (none while FedBuff's buffer fills)."""
         s = state.asynchrony
-        state.bytes_up += job["bytes"]
-        if job["delta"] is None:
+        state.bytes_up += job.bytes
+        if job.delta is None:
             return []
-        if job.get("state") is not None:
-            state.clients.set_many([job["client"]], [job["state"]])
+        if job.state is not None:
+            state.clients.set_many([job.client], [job.state])
         if self.config.kind == "fedasync":
             return [job]
-        s["buffer"].append(job)
-        if len(s["buffer"]) < self.config.buffer:
+        s.buffer.append(job)
+        if len(s.buffer) < self.config.buffer:
             return []
-        applied, s["buffer"] = s["buffer"], []
+        applied, s.buffer = s.buffer, []
         return applied
 
     def rebased(self, state: RunState, applied: list[Job]) -> list[ClientResult]:
         """The uploads the algorithm's server step sees: FedAsync's x + alpha_t (x_new - x)
         (one), FedBuff's x + eta_g s_k Delta_k with weight n_k or 1 (K of them)."""
-        cfg, version = self.config, state.asynchrony["version"]
+        cfg, version = self.config, state.asynchrony.version
         server = state.server
         out = []
         for job in applied:
-            weight = config_staleness(cfg, version - job["version"])
+            weight = config_staleness(cfg, version - job.version)
             if cfg.kind == "fedasync":
+                assert job.model is not None
                 upload = {
-                    key: mix(server[key], job["model"][key], cfg.alpha * weight)
+                    key: mix(server[key], job.model[key], cfg.alpha * weight)
                     for key in ("params", "buffers")
                 }
             else:
+                assert job.delta is not None
                 upload = {
-                    key: step(server[key], job["delta"][key], cfg.server_lr * weight)
+                    key: step(server[key], job.delta[key], cfg.server_lr * weight)
                     for key in ("params", "buffers")
                 }
-            w = job["weight"] if cfg.kind == "fedasync" or cfg.weighting == "samples" else 1.0
-            out.append(
-                ClientResult(upload, w, job["loss"], client_id=job["client"], round=job["event"])
-            )
+            w = job.weight if cfg.kind == "fedasync" or cfg.weighting == "samples" else 1.0
+            out.append(ClientResult(upload, w, job.loss, client_id=job.client, round=job.event))
         return out
 
 

@@ -1,6 +1,7 @@
 """What a horizontal run is built from, one small builder each: the clients' data as they train
 on it (hidden features, validation split; data/missing.py, data/validation.py), the mechanisms
-(engine/mechanisms.py), the algorithm, the training clients, and the callbacks in their order
+(engine/mechanisms.py), the algorithm, the training clients, the round pipeline and its
+schedule (engine/pipeline.py, engine/asynchrony.py), and the callbacks in their order
 (engine/callbacks.py). ``Engine`` (engine/loop.py) is these parts plus the round loop; its
 callbacks see them as a read-only :class:`~fedloom.engine.context.RunContext`."""
 
@@ -17,7 +18,7 @@ from fedloom.data.federated import FederatedData
 from fedloom.data.missing import hide_features
 from fedloom.data.validation import hold_out_validation
 from fedloom.data.validation import pooled as pooled_validation
-from fedloom.engine.asynchrony import AsyncServer, SyncClock, make_timing
+from fedloom.engine.asynchrony import make_schedule
 from fedloom.engine.callbacks import (
     AttackReport,
     Checkpointing,
@@ -33,6 +34,7 @@ from fedloom.engine.contribution import ContributionAndIncentives
 from fedloom.engine.executor import Executor
 from fedloom.engine.factory import make_executor
 from fedloom.engine.mechanisms import Aggregator, Mechanisms, UploadTransform
+from fedloom.engine.pipeline import RoundPipeline, Schedule
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import TrainingClients
 from fedloom.engine.serving import ServingCopies
@@ -63,6 +65,7 @@ class EngineParts:
     algorithm: Algorithm
     mechanisms: Mechanisms
     upload_transforms: list[UploadTransform]
+    """The caller's upload transforms (after the mechanisms' own)."""
     train_ids: list[int]
     new_ids: list[int]
     validation: list[ClientData] | None
@@ -71,11 +74,9 @@ class EngineParts:
     """All training clients' validation sets as one: the server's held-out set."""
     training: TrainingClients
     evaluation: Evaluation
-    timing: SyncClock | AsyncServer | None
-    """The virtual clock (asynchrony.speeds) and asynchronous aggregation, when configured
-    (engine/asynchrony.py)."""
-    incentives: ContributionAndIncentives | None
-    """Contribution evaluation and payments (engine/contribution.py), when configured."""
+    pipeline: RoundPipeline
+    schedule: Schedule
+    """Synchronous rounds, or asynchronous aggregation (engine/asynchrony.py)."""
     callbacks: list[Callback]
 
     def view(self, run_dir: RunDir | None) -> RunContext:
@@ -118,8 +119,10 @@ def build_parts(
     new = config.eval.new_clients
     train_ids = list(range(data.num_clients - new))
     held = hold_out(config, data, train_ids)
-    mechanisms = Mechanisms(config, held.data, module, train_ids)
-    transforms = mechanisms.upload_transforms(upload_transforms or [])
+    incentives = ContributionAndIncentives.build(config)
+    extra = [incentives] if incentives is not None else []
+    mechanisms = Mechanisms(config, held.data, module, train_ids, extra)
+    transforms = list(upload_transforms or [])
     algorithm = make_algorithm(config, model, held.data, mechanisms, train_ids, aggregator)
     training = TrainingClients.view(
         mechanisms.data,
@@ -129,9 +132,9 @@ def build_parts(
         poisson=mechanisms.poisson_clients,
     )
     evaluation = Evaluation()
-    timing = make_timing(config, list(training.data))
-    incentives = ContributionAndIncentives.build(config)
-    own = [c for c in (incentives, timing) if c is not None]
+    schedule, clock = make_schedule(config, list(training.data))
+    pipeline = RoundPipeline(config, algorithm, mechanisms, executor, training, transforms)
+    own = [*extra, *clock]
     return EngineParts(
         config=config,
         data=mechanisms.data,
@@ -146,8 +149,8 @@ def build_parts(
         validation_pool=held.pool,
         training=training,
         evaluation=evaluation,
-        timing=timing,
-        incentives=incentives,
+        pipeline=pipeline,
+        schedule=schedule,
         callbacks=default_callbacks(
             config, mechanisms, transforms, evaluation, progress, [*(callbacks or []), *own]
         ),
@@ -210,7 +213,7 @@ def default_callbacks(
     return [
         evaluation,
         *([HealthMonitor()] if config.monitor.enabled else []),
-        PrivacyAccounting([mechanisms.privacy, *transforms]),
+        PrivacyAccounting([*mechanisms.all, *transforms]),
         *([SecureAggregationLog(mechanisms.secure)] if mechanisms.secure is not None else []),
         *([AttackReport(mechanisms)] if mechanisms.malicious else []),
         *([ServingCopies(config.serving)] if config.serving.enabled else []),

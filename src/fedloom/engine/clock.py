@@ -21,7 +21,7 @@ import torch
 
 from fedloom.config import AsynchronyConfig, SpeedsConfig
 from fedloom.core.rng import NO_ID, generator
-from fedloom.errors import ConfigError
+from fedloom.engine.workload import per_client_value
 
 
 def staleness_weight(kind: str, staleness: int, a: float, b: float) -> float:
@@ -62,12 +62,7 @@ class Speeds:
             return math.exp(cfg.sigma * float(torch.randn(1, generator=gen, dtype=torch.float64)))
         if cfg.kind == "per_client":
             assert cfg.values is not None
-            if not 0 <= client < len(cfg.values):
-                raise ConfigError(
-                    f"asynchrony.speeds.values has {len(cfg.values)} entries, but client "
-                    f"{client} trains (one time per step for each client is needed)"
-                )
-            return cfg.values[client]
+            return per_client_value(cfg.values, client, "asynchrony.speeds.values", "trains")
         # stragglers: a seeded floor(fraction * n) of the clients are ``slowdown`` times slower
         return cfg.slowdown if client in self.stragglers else 1.0
 

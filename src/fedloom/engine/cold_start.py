@@ -18,6 +18,7 @@ summary.json's ``cold_start``: per step, the mean and quantiles over the new cli
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fedloom.algorithms.base import Algorithm
@@ -27,6 +28,21 @@ from fedloom.engine.evaluation import evaluate_stacked
 from fedloom.engine.metrics import EvalCounts, client_quantiles
 from fedloom.solvers.objective_sgd import objective_sgd
 from fedloom.solvers.stacked_sgd import finetune_stacked
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """One cold-start measurement: held-out ``clients`` adapting from the server state for
+    ``steps`` at ``lr`` (plans keyed by ``round``), evaluated in batches of
+    ``eval_batch_size``."""
+
+    algorithm: Algorithm
+    server: State
+    clients: dict[int, ClientData]
+    steps: list[int]
+    lr: float
+    round: int
+    eval_batch_size: int
 
 
 def adaptation_curve(
@@ -43,12 +59,9 @@ def adaptation_curve(
     """summary.json's ``cold_start`` for the held-out ``clients`` (see the module doc);
     ``batched``: every client's fine-tuning at once on the stacked model, where it can run so
     (core/stacked.py)."""
-    if batched and algorithm.ctx.model.stacked() is not None:
-        per_step = _stacked_counts(algorithm, server, clients, steps, lr, round, eval_batch_size)
-    else:
-        per_step = _counts_one_at_a_time(
-            algorithm, server, clients, steps, lr, round, eval_batch_size
-        )
+    setup = Adaptation(algorithm, server, clients, steps, lr, round, eval_batch_size)
+    stacked = batched and algorithm.ctx.model.stacked() is not None
+    per_step = _stacked_counts(setup) if stacked else _counts_one_at_a_time(setup)
     curve: dict[str, Any] = {"clients": len(clients), "lr": lr, "steps": list(steps)}
     quantiles = [client_quantiles(per_step[s], classification) for s in steps]
     for key in quantiles[0]:
@@ -56,17 +69,11 @@ def adaptation_curve(
     return curve
 
 
-def _stacked_counts(
-    algorithm: Algorithm,
-    server: State,
-    clients: dict[int, ClientData],
-    steps: list[int],
-    lr: float,
-    round: int,
-    eval_batch_size: int,
-) -> dict[int, list[EvalCounts]]:
+def _stacked_counts(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     """Each step's counts of every client, all clients fine-tuned together (the same steps as
     :func:`_counts_one_at_a_time`)."""
+    algorithm, server, clients, steps = setup.algorithm, setup.server, setup.clients, setup.steps
+    lr, round, eval_batch_size = setup.lr, setup.round, setup.eval_batch_size
     model, ctx = algorithm.ctx.model, algorithm.ctx
     datas = list(clients.values())
     tasks = [ClientTask(cid, data, [], lr, round) for cid, data in clients.items()]
@@ -100,16 +107,10 @@ def _stacked_counts(
     return out
 
 
-def _counts_one_at_a_time(
-    algorithm: Algorithm,
-    server: State,
-    clients: dict[int, ClientData],
-    steps: list[int],
-    lr: float,
-    round: int,
-    eval_batch_size: int,
-) -> dict[int, list[EvalCounts]]:
+def _counts_one_at_a_time(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     """Each step's counts of every client, one client after another on the lean trainer."""
+    algorithm, server, clients, steps = setup.algorithm, setup.server, setup.clients, setup.steps
+    lr, round, eval_batch_size = setup.lr, setup.round, setup.eval_batch_size
     model = algorithm.ctx.model
     per_step: dict[int, list[EvalCounts]] = {s: [] for s in steps}
     for cid, data in clients.items():

@@ -25,6 +25,7 @@ from typing import Any
 from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.mechanism import Mechanism, ServerStep
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, State
 from fedloom.core.rng import numpy_rng
 from fedloom.engine.context import Callback, RunContext
@@ -122,9 +123,12 @@ def _keyed(values: dict[int, float]) -> dict[str, float]:
     return {str(k): v for k, v in sorted(values.items())}
 
 
-class ContributionAndIncentives(Callback):
-    """``contribution`` and ``incentive`` of the run config: the engine calls
-    :meth:`before_server_step` in each round's server step, the callback hooks do the rest."""
+class ContributionAndIncentives(Callback, Mechanism):
+    """``contribution`` and ``incentive`` of the run config: a mechanism of the round
+    (core/mechanism.py; the last in order) that values the round's uploads just before the
+    server step (``before_aggregate``), and a callback that pays and reports."""
+
+    key = STATE_KEY
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -138,6 +142,9 @@ class ContributionAndIncentives(Callback):
         cost = incentive.cost
         self.costs = CostModel(cost.per_sample, cost.per_mb, cost.per_client)
         self.convergence = Convergence(maximum=contribution.max_permutations)
+        self.ctx: RunContext | None = None
+        """The run's context, from ``on_run_start`` (the coalition models are built and
+        evaluated with it)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -166,12 +173,10 @@ class ContributionAndIncentives(Callback):
 
     # -- the run ---------------------------------------------------------------------------
     def on_run_start(self, ctx: RunContext, state: RunState) -> None:
+        """Checks what only the data can tell (the config's rules checked the rest) and takes
+        the run's context; a resumed run's state came with the mechanisms'."""
+        self.ctx = ctx
         if self.valuing:
-            if ctx.algorithm.global_model(state.server) is None:
-                raise ConfigError(
-                    f"contribution.kind: {self.config.contribution.kind} values clients by "
-                    f"the global model; {ctx.algorithm.name} has none"
-                )
             assert ctx.validation_pool is not None
             if self.config.contribution.metric == "accuracy" and ctx.data.task != "classification":
                 raise ConfigError(
@@ -183,22 +188,18 @@ class ContributionAndIncentives(Callback):
                 f"incentive.cost.per_client: {len(per_client)} costs for "
                 f"{len(ctx.train_ids)} training clients: give one per client"
             )
-        self._reset()
-        saved = state.mechanisms.get(STATE_KEY)
-        if saved:
-            self.load_state_dict(saved)
 
-    def before_server_step(
-        self, ctx: RunContext, round: int, state: RunState, results: list[ClientResult]
-    ) -> None:
+    def before_aggregate(self, step: ServerStep) -> None:
         """Value the round's participants (a valued round), from the server state before the
         server step."""
         self.current = self.game = None
+        round, results = step.round, step.results
         if not self.valuing or round % self.config.contribution.every:
             return
+        assert self.ctx is not None, "on_run_start first"
         tick = time.perf_counter()
         cfg = self.config.contribution
-        game = RoundGame(ctx, state.server, results)
+        game = RoundGame(self.ctx, step.server, results)
         cached = CachedGame(game, game.many)
         players = sorted(r.client_id for r in results)
         rng = numpy_rng(self.config.seed, "contribution", round)

@@ -1,13 +1,12 @@
-"""The round loop: sampling, client work, message transforms, aggregation, evaluation,
-metrics, checkpoints. Algorithms never re-implement any of it; the evaluation timing,
-resume and summary.json's common keys are the run shell's, shared with the RL and vertical
-runners (engine/shell.py)."""
+"""The round loop: a round through the round pipeline (engine/pipeline.py), then the
+callbacks (evaluation, metrics, checkpoints ...). Algorithms never re-implement any of it; the
+evaluation timing, resume and summary.json's common keys are the run shell's, shared with the
+RL and vertical runners (engine/shell.py)."""
 
 from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,27 +14,21 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms import ClientTask
 from fedloom.config import RunConfig
 from fedloom.core import pytree
-from fedloom.core.protocol import ClientResult, Message
+from fedloom.core.protocol import ClientTask
 from fedloom.data.federated import FederatedData
-from fedloom.engine.asynchrony import AsyncServer
 from fedloom.engine.build import EngineParts, build_parts
 from fedloom.engine.context import Callback, RunContext, merge
-from fedloom.engine.dropout import dropouts, uploads
+from fedloom.engine.executor import Executor
 from fedloom.engine.mechanisms import Aggregator, UploadTransform
-from fedloom.engine.nonfinite import screen
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.shell import base_summary, checkpoint_payload, due
+from fedloom.engine.shell import base_summary, checkpoint_payload
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
 from fedloom.engine.workload import client_tasks
-from fedloom.errors import RoundAborted
 from fedloom.models.base import FedModel
-from fedloom.privacy import SampleLevelDP
-from fedloom.secure.base import DropStage
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +67,10 @@ class Engine(EngineParts):
         super().__init__(**vars(parts))
         self.run_dir = run_dir
         self.progress = progress
+
+    def use_executor(self, executor: Executor) -> None:
+        """Run the clients on ``executor`` instead of the config's (the Flower adapter's)."""
+        self.executor = self.pipeline.executor = executor
 
     def context(self) -> RunContext:
         """What the callbacks read (the current executor and run directory included)."""
@@ -152,73 +149,11 @@ class Engine(EngineParts):
         )
 
     def train_round(self, round: int, state: RunState) -> RoundReport:
-        """One round: sample, send, train (the executor), screen, transform and aggregate the
-        uploads; ``state`` moves to the end of the round."""
-        if isinstance(self.timing, AsyncServer):  # a round is one asynchronous server step
-            return self.timing.train_round(self.context(), round, state)
-        cfg, algorithm, tick = self.config, self.algorithm, time.perf_counter()
-        clients = self.training.sample(cfg.seed, round)
-        drops = dropouts(cfg.seed, round, clients, cfg.train.dropout)
-        new = [c for c in clients if c not in state.clients]
-        state.clients.set_many(new, [algorithm.init_client_state(state.server, c) for c in new])
-        message = algorithm.server_message(state.server, round)
-        message = self.mechanisms.broadcast(message)  # compression.download: as decoded
-        self.mechanisms.start_round(round, message)
-        # clients that vanish before uploading do no work (engine/dropout.py)
-        tasks = self.tasks_for_round(round, [c for c in clients if uploads(drops.get(c))])
-        if isinstance(self.mechanisms.privacy, SampleLevelDP):  # each client's data, per step
-            self.mechanisms.privacy.record({t.client_id: len(t.plan) for t in tasks})
-        results = self.executor.run_round(
-            algorithm, message, tasks, state.clients.get_many([t.client_id for t in tasks])
-        )
-        # a dropped client's upload still crossed the network: counted before screening, as
-        # encoded when compression is on (the uploads are then what the server decodes)
-        up = self.mechanisms.send_uploads(round, results) if algorithm.communicates else 0
-        screened = screen(tasks, results, round, algorithm.config.model_dump(), cfg.train)
-        tasks, results = screened.tasks, screened.results
-        state.dropped_nonfinite += len(screened.dropped)
-        for task, result in zip(tasks, results, strict=True):
-            for transform in self.upload_transforms:
-                result.upload = transform(result.upload, task.client_id, round)
-        kept = [
-            (t.client_id, r.state)
-            for t, r in zip(tasks, results, strict=True)
-            if r.state is not None
-        ]
-        state.clients.set_many([c for c, _ in kept], [s for _, s in kept])
-        down = algorithm.download_bytes(message, clients) if algorithm.communicates else 0
-        down = self.mechanisms.download_bytes(down)  # as encoded (compression.download)
-        if results:  # every sampled client dropped out: the server keeps its state
-            up, down = self._aggregate(round, state, message, results, drops, up, down)
-        state.bytes_up, state.bytes_down = state.bytes_up + up, state.bytes_down + down
+        """One round through the round pipeline (engine/pipeline.py) under the run's schedule
+        (synchronous rounds or asynchronous aggregation); ``state`` moves to its end."""
+        report = self.schedule.train_round(self.pipeline, round, state)
         state.mechanisms = self.mechanisms.state_dict()
-        state.round = round
-        evaluate = due(round, cfg.eval.every, cfg.train.rounds)
-        seconds = time.perf_counter() - tick
-        return RoundReport(round, clients, message, tasks, results, up, down, seconds, evaluate)
-
-    def _aggregate(
-        self,
-        round: int,
-        state: RunState,
-        message: Message,
-        results: list[ClientResult],
-        drops: dict[int, DropStage],
-        up: int,
-        down: int,
-    ) -> tuple[int, int]:
-        """The server step on ``results`` (returned: the round's bytes up and down, secure
-        aggregation's protocol traffic when it is on). A round whose server step cannot be
-        taken (secure aggregation below its threshold, too few clients for a robust rule)
-        leaves the server's state as it was."""
-        self.mechanisms.before_aggregate(round, message, results, drops)
-        if self.incentives is not None:  # values the clients from the state before the step
-            self.incentives.before_server_step(self.context(), round, state, results)
-        try:
-            state.server = self.algorithm.aggregate(state.server, results)
-        except RoundAborted as err:
-            log.warning("round %d: no server step, the model is unchanged: %s", round, err)
-        return self.mechanisms.round_bytes(up, down)
+        return report
 
     def summary(self, state: RunState) -> dict[str, Any]:
         """summary.json (engine/shell.py's common keys, then the horizontal ones) from the
@@ -275,7 +210,3 @@ def setup_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def message_bytes(message: Message) -> int:
-    return sum(pytree.num_bytes(tree) for tree in message.values())

@@ -25,10 +25,10 @@ from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
-from fedloom.engine.evaluation import evaluate_each
 from fedloom.engine.executor import States
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.scheduling import balanced_groups
+from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import set_worker_threads
 from fedloom.errors import ConfigError
 
@@ -169,6 +169,9 @@ class RayExecutor:
         # parse_config checked that Ray is installed and that the device is the CPU
         self.model = model
         self.config = config
+        self.driver = SequentialExecutor(model)
+        """Evaluation and deployments run here on the driver: the deployed models live here,
+        and a forward pass is cheap next to the local training the workers do."""
         self.started_ray = False
         self.actors: list[Any] = []
         self.actor_nodes: list[str] = []
@@ -272,16 +275,12 @@ class RayExecutor:
     def evaluate(
         self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
     ) -> list[EvalCounts]:
-        """Each model on its client's held-out data, here on the driver (as the sequential
-        executor does): the deployed models live here, and a forward pass is cheap next to
-        the local training the workers do."""
-        return evaluate_each(self.model, models, datas, batch_size)
+        return self.driver.evaluate(models, datas, batch_size)
 
     def deployed_models(
         self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
     ) -> list[tuple[Tree, Tree]]:
-        """On the driver, as ``evaluate``."""
-        return algorithm.deployed_models(server, states, tasks)
+        return self.driver.deployed_models(algorithm, server, states, tasks)
 
     # -- the round ------------------------------------------------------------------------
     def run_round(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
+from fedloom.engine.async_state import AsyncState
 from fedloom.engine.state_store import ClientStateStore
 
 
@@ -32,9 +33,9 @@ class RunState:
     """The state of the run's mechanisms (engine/mechanisms.py) by name: ``privacy``
     (adaptive clipping's bound, DP-SGD's steps per client), ``secure`` (secure aggregation's
     counters), ``robust`` (skipped rounds)."""
-    asynchrony: dict[str, Any] = field(default_factory=dict)
+    asynchrony: AsyncState = field(default_factory=AsyncState)
     """The virtual clock and, for asynchronous aggregation, the clients in flight and the
-    server's buffer (engine/asynchrony.py)."""
+    server's buffer (engine/async_state.py)."""
     serving: dict[str, Any] = field(default_factory=dict)
     """The deployable copies kept across rounds (serving section; engine/serving.py): the
     best global model by validation metric and its round, each client's best, the EMA."""
@@ -51,7 +52,7 @@ class RunState:
             "dropped_nonfinite": self.dropped_nonfinite,
             "executor_choice": self.executor_choice,
             "mechanisms": self.mechanisms,
-            "asynchrony": self.asynchrony,
+            "asynchrony": self.asynchrony.to_dict(),
             "serving": self.serving,
         }
 
@@ -70,7 +71,7 @@ class RunState:
             executor_choice=saved.get("executor_choice"),
             mechanisms=saved.get("mechanisms")
             or ({"privacy": saved["privacy"]} if saved.get("privacy") else {}),  # before 0.2
-            asynchrony=saved.get("asynchrony") or {},
+            asynchrony=AsyncState.from_dict(saved.get("asynchrony") or {}),
             serving=saved.get("serving") or {},
         )
 

@@ -13,6 +13,7 @@ see the same budgets.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -23,18 +24,26 @@ from fedloom.errors import ConfigError
 from fedloom.solvers.local import PlanMaker, steps_per_epoch
 
 
+def per_client_value(values: list[Any], client: int, key: str, role: str) -> Any:
+    """``values[client]``, or a ConfigError naming ``key`` when the list does not reach
+    ``client`` (``role``: what the client does that needs the value)."""
+    if not 0 <= client < len(values):
+        raise ConfigError(
+            f"{key} has {len(values)} entries, but client {client} {role} (one value per "
+            "client is needed)"
+        )
+    return values[client]
+
+
 def draw_work(spec: int | WorkDistribution, seed: int, round: int, client: int) -> int:
     """The number of epochs or steps ``client`` does in ``round`` under ``spec``."""
     if isinstance(spec, int):
         return spec
     if spec.kind == "per_client":
         assert spec.values is not None
-        if not 0 <= client < len(spec.values):
-            raise ConfigError(
-                f"train local work: per_client values has {len(spec.values)} entries, "
-                f"but client {client} takes part (one value per client is needed)"
-            )
-        return spec.values[client]
+        return per_client_value(
+            spec.values, client, "train local work: per_client values", "takes part"
+        )
     gen = generator(seed, "work", round if spec.per == "round" else NO_ID, client)
     if spec.kind == "uniform":
         assert spec.low is not None and spec.high is not None

@@ -6,15 +6,15 @@ Flower's simulation engine. Needs the optional extra: ``pip install 'fedloom[flo
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 from fedloom.errors import ConfigError
 
-try:
-    import flwr  # noqa: F401
-except ImportError as err:  # pragma: no cover - depends on the environment
+if find_spec("flwr") is None:  # pragma: no cover - depends on the environment
     raise ConfigError(
         "fedloom.flower needs Flower, an optional extra that is not installed: "
         "pip install 'fedloom[flower]'"
-    ) from err
+    )
 
 from fedloom.flower.client import client_app
 from fedloom.flower.server import FlowerError, FlowerExecutor, server_app

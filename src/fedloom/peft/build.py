@@ -3,10 +3,11 @@ entry into the package)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fedloom.algorithms import Algorithm, AlgorithmContext, build_algorithm
-from fedloom.config import PeftConfig, RunConfig
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.models.transformer import (
@@ -16,6 +17,10 @@ from fedloom.models.transformer import (
     build_peft_transformer,
 )
 from fedloom.peft.algorithm import PeftFedAvg
+from fedloom.peft.config import PeftConfig
+
+if TYPE_CHECKING:
+    from fedloom.config import RunConfig
 
 PLAIN_SHARES = ("both", "ffa")
 """Strategies under which every trainable key is shared and the server averages: any

@@ -31,21 +31,19 @@ released without noise.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from fedloom.config import PrivacyConfig
+from fedloom.core.mechanism import Aggregator, Mechanism, UpdateSum
 from fedloom.core.protocol import Message
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.privacy.accounting import epsilon, noise_multiplier_for
+from fedloom.privacy.config import PrivacyConfig
 
 Tree = dict[str, torch.Tensor]
-
-UpdateSum = Callable[[Sequence[Mapping[str, torch.Tensor]], Tree], Tree]
-"""(clipped client models, anchor) -> sum_k (model_k - anchor) per key, float64."""
 
 
 def sum_updates(trees: Sequence[Mapping[str, torch.Tensor]], anchor: Tree) -> Tree:
@@ -93,9 +91,12 @@ def update_noise_multiplier(z: float, count_noise: float) -> float:
     return rest**-0.5
 
 
-class ClientLevelDP:
-    """The mechanism of one run: an upload transform (``clip_upload``), the server's
-    aggregation rule (``aggregate``) and the accountant (``privacy_spent``)."""
+class ClientLevelDP(Mechanism):
+    """The mechanism of one run (core/mechanism.py): each upload clipped (``on_upload``), the
+    server's aggregation rule (``aggregate``, over the composed sum of updates: in the clear or
+    secure aggregation's) and the accountant (``privacy_spent``)."""
+
+    key = "privacy"
 
     def __init__(
         self, config: PrivacyConfig, seed: int, num_clients: int, per_round: int, rounds: int
@@ -138,6 +139,14 @@ class ClientLevelDP:
         self.round = round
         self.anchor = message["params"]
         self._within = []
+
+    def on_upload(self, upload: Message, client_id: int, round: int) -> Message:
+        return self.clip_upload(upload, client_id, round)
+
+    def wrap_aggregate(self, inner: Aggregator, update_sum: UpdateSum | None) -> Aggregator:
+        """The noised estimator replaces the mean; ``update_sum`` is how it sums."""
+        self.update_sum = update_sum
+        return self.aggregate
 
     def clip_upload(self, upload: Message, client_id: int, round: int) -> Message:
         """Clip the client's update (its uploaded model minus the broadcast one) to C_t; note
@@ -193,7 +202,7 @@ class ClientLevelDP:
         """What a resumed run needs: the current bound."""
         return {"clip": self.clip}
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         self.clip = float(saved["clip"])
 
     # -- accounting -----------------------------------------------------------------------

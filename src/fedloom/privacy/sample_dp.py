@@ -20,11 +20,13 @@ model released from it; the client itself is trusted with its raw data.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedloom.config import PrivacyConfig
+from fedloom.core.mechanism import Mechanism
+from fedloom.core.protocol import ClientTask
 from fedloom.privacy.accounting import Exposure, noise_multiplier_for_all, worst_epsilon
+from fedloom.privacy.config import PrivacyConfig
 from fedloom.solvers.dpsgd import DPSGD
 
 
@@ -33,9 +35,13 @@ def sample_rate(batch_size: int | None, n: int) -> float:
     return 1.0 if batch_size is None or n == 0 else min(1.0, batch_size / n)
 
 
-class SampleLevelDP:
+class SampleLevelDP(Mechanism):
     """DP-SGD's settings for the clients (``dpsgd``) and the accountant of the steps they
-    took (``record``, ``privacy_spent``)."""
+    take (``on_dispatch`` records them; ``privacy_spent``). The clipping and noise happen in
+    the clients' private steps (solvers/ops.py), so as a mechanism of the round it only
+    counts."""
+
+    key = "privacy"
 
     def __init__(
         self,
@@ -70,15 +76,16 @@ class SampleLevelDP:
     def exposures(self) -> list[Exposure]:
         return [(self.rates[c], t) for c, t in self.steps.items()]
 
-    # -- the engine's privacy-mechanism interface --------------------------------------------
-    def start_round(self, round: int, message: Any) -> None:
-        pass
+    # -- the mechanism protocol (core/mechanism.py) -------------------------------------------
+    def on_dispatch(self, round: int, tasks: Sequence[ClientTask]) -> None:
+        """Each dispatched client's data is exposed once per local step it takes."""
+        self.record({t.client_id: len(t.plan) for t in tasks})
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: the steps taken per client (JSON keys)."""
         return {"steps": {str(c): t for c, t in sorted(self.steps.items())}}
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         self.steps = {int(c): int(t) for c, t in saved.get("steps", {}).items()}
 
     def privacy_spent(self) -> dict[str, Any]:

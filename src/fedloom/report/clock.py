@@ -53,7 +53,6 @@ def clock_panel(run: RunData) -> Panel:
     if not fig.data:
         panel.note = "No accuracy was recorded with the clock."
         return panel
-    base_layout(fig, height=400, x_title="virtual time", y_title="accuracy")
-    fig.update_yaxes(tickformat=PERCENT)
+    base_layout(fig, height=400, x_title="virtual time", y_title="accuracy", y_format=PERCENT)
     panel.figure = fig
     return panel

@@ -17,6 +17,8 @@ NEW_CLIENTS = "#7b4fa8"
 TRAIN = "#6c757d"
 UP = "#2a9d8f"
 DOWN = "#e9a23b"
+CLIENT_COLORS = (GLOBAL, PERSONAL, UP, DOWN, NEW_CLIENTS, TRAIN, "#3d405b", "#81b29a")
+"""Colours cycled over per-client lines (``CLIENT_COLORS[k % len(CLIENT_COLORS)]``)."""
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 PERCENT = ".1~%"
 MARKERS_UP_TO = 40  # draw point markers when there are at most this many rounds
@@ -34,7 +36,17 @@ class Panel:
     wide: bool = True
 
 
-def base_layout(fig: go.Figure, *, height: int, x_title: str, y_title: str) -> go.Figure:
+def base_layout(
+    fig: go.Figure,
+    *,
+    height: int,
+    x_title: str,
+    y_title: str,
+    y_format: str | None = None,
+    y2_title: str | None = None,
+) -> go.Figure:
+    """The page's common layout; ``y_format``: the y ticks' format (e.g. ``PERCENT``);
+    ``y2_title``: add a second y axis on the right (``right_axis``)."""
     fig.update_layout(
         template="plotly_white",
         height=height,
@@ -45,10 +57,19 @@ def base_layout(fig: go.Figure, *, height: int, x_title: str, y_title: str) -> g
         xaxis_title=x_title,
         yaxis_title=y_title,
     )
-    return fig
+    return _y_axes(fig, y_format, y2_title)
 
 
-def round_layout(fig: go.Figure, run: RunData, *, y_title: str, height: int = 400) -> go.Figure:
+def round_layout(
+    fig: go.Figure,
+    run: RunData,
+    *,
+    y_title: str,
+    height: int = 400,
+    y_format: str | None = None,
+    y2_title: str | None = None,
+) -> go.Figure:
+    """``base_layout`` over rounds: unified hover, whole-round ticks."""
     base_layout(fig, height=height, x_title="round", y_title=y_title)
     fig.update_layout(hovermode="x unified")
     rounds = run.round_numbers
@@ -56,6 +77,14 @@ def round_layout(fig: go.Figure, run: RunData, *, y_title: str, height: int = 40
         fig.update_xaxes(tickformat="d")
         if rounds[-1] - rounds[0] < 10:  # few rounds: avoid ticks at fractional rounds
             fig.update_xaxes(dtick=1, range=[rounds[0] - 0.5, rounds[-1] + 0.5])
+    return _y_axes(fig, y_format, y2_title)
+
+
+def _y_axes(fig: go.Figure, y_format: str | None, y2_title: str | None) -> go.Figure:
+    if y_format is not None:
+        fig.update_yaxes(tickformat=y_format)
+    if y2_title is not None:
+        fig.update_layout(yaxis2=right_axis(y2_title))
     return fig
 
 
@@ -164,8 +193,7 @@ def accuracy_panel(run: RunData) -> Panel:
         fig.add_trace(round_line(run, glob, "global", GLOBAL, width=2.8, hover=pct))
     elif run.rounds:
         panel.note = "No global model in this run: only personalized accuracy is shown."
-    round_layout(fig, run, y_title="accuracy", height=430)
-    fig.update_yaxes(tickformat=PERCENT)
+    round_layout(fig, run, y_title="accuracy", height=430, y_format=PERCENT)
     panel.figure = fig
     return panel
 
@@ -212,9 +240,8 @@ def cold_start_panel(run: RunData) -> Panel:
             "width": 6,
         }
     fig.add_trace(line)
-    base_layout(fig, height=400, x_title="adaptation steps", y_title="accuracy")
+    base_layout(fig, height=400, x_title="adaptation steps", y_title="accuracy", y_format=PERCENT)
     fig.update_xaxes(tickvals=steps, type="linear")
-    fig.update_yaxes(tickformat=PERCENT)
     panel.figure = fig
     return panel
 

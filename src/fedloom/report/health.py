@@ -16,7 +16,6 @@ from fedloom.report.figures import (
     add_band,
     base_layout,
     no_rounds,
-    right_axis,
     round_layout,
     round_line,
 )
@@ -108,8 +107,7 @@ def heterogeneity_panel(run: RunData) -> Panel:
         )
         return panel
     fig = go.Figure(round_line(run, zeta, "ζ²", GLOBAL))
-    round_layout(fig, run, y_title="ζ²")
-    panel.figure = fig
+    panel.figure = round_layout(fig, run, y_title="ζ²")
     return panel
 
 
@@ -151,11 +149,10 @@ def client_heterogeneity_panel(run: RunData) -> Panel:
                 offsetgroup="js",
             )
         )
-    base_layout(fig, height=380, x_title="client", y_title="label KL (nats)")
-    fig.update_layout(
-        barmode="group",
-        yaxis2=right_axis("feature JS (bits)"),
+    base_layout(
+        fig, height=380, x_title="client", y_title="label KL (nats)", y2_title="feature JS (bits)"
     )
+    fig.update_layout(barmode="group")
     panel.figure = fig
     return panel
 
@@ -192,10 +189,7 @@ def resources_panel(run: RunData) -> Panel:
         trace = round_line(run, mb[name], f"MB {name} per round", color, hover="%{y:.3g} MB")
         trace.yaxis = "y2"
         fig.add_trace(trace)
-    round_layout(fig, run, y_title="seconds")
-    fig.update_layout(
-        yaxis2=right_axis("MB"),
-    )
+    round_layout(fig, run, y_title="seconds", y2_title="MB")
     panel.figure = fig
     return panel
 
@@ -241,8 +235,7 @@ def secure_aggregation_panel(run: RunData) -> Panel:
     trace = round_line(run, aborted, "rounds aborted", PERSONAL, dash="dot", hover="%{y:d}")
     trace.yaxis = "y2"
     fig.add_trace(trace)
-    round_layout(fig, run, y_title="MB (cumulative)")
-    fig.update_layout(yaxis2=right_axis("rounds aborted"))
+    round_layout(fig, run, y_title="MB (cumulative)", y2_title="rounds aborted")
     panel.figure = fig
     return panel
 

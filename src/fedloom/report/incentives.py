@@ -12,9 +12,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from fedloom.report.figures import (
+    CLIENT_COLORS,
     DOWN,
     GLOBAL,
-    NEW_CLIENTS,
     PERSONAL,
     TRAIN,
     UP,
@@ -33,7 +33,6 @@ SCHEME_COLORS = {
     "shapley": GLOBAL,
     "cost": DOWN,
 }
-CLIENT_COLORS = [GLOBAL, PERSONAL, UP, DOWN, NEW_CLIENTS, TRAIN, "#3d405b", "#81b29a"]
 
 
 def has_contribution(run: RunData) -> bool:
@@ -117,7 +116,7 @@ def queues_panel(run: RunData) -> Panel:
             )
             trace.legendgroup, trace.showlegend = client, col == 1
             fig.add_trace(trace, row=1, col=col)
-    round_layout(fig, run, y_title="queue", height=400)
+    round_layout(fig, run, y_title="queue")
     panel.figure = fig
     return panel
 

@@ -13,7 +13,6 @@ from fedloom.report.figures import (
     Panel,
     communication_panel,
     no_rounds,
-    right_axis,
     round_layout,
     round_line,
 )
@@ -75,8 +74,7 @@ def training_panel(run: RunData) -> Panel:
     loss = round_line(run, run.series("train_loss"), "loss", TRAIN, dash="dot")
     loss.yaxis = "y2"
     fig.add_trace(loss)
-    round_layout(fig, run, y_title="return", height=380)
-    fig.update_layout(yaxis2=right_axis("loss"))
+    round_layout(fig, run, y_title="return", height=380, y2_title="loss")
     panel.figure = fig
     return panel
 

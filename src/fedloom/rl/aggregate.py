@@ -1,22 +1,31 @@
 """The server step of QAvg and PAvg on stacked agent parameters (docs/rl.md): every E
 local updates, theta <- aggregate(theta_1..theta_K), broadcast to every agent.
 
-The rule is fedloom's: FedAvg's weighted mean (``fedloom.core.pytree.weighted_average``, the
-weights being the agents' environment counts), or a Byzantine-robust rule of
-``fedloom.robust`` (``aggregator.kind``) applied to the agents' updates against the last
-broadcast. FedProx's proximal term is a local-update matter (``algorithm.mu``).
+The step goes through the mechanism protocol (core/mechanism.py) in the engine's declared
+order (engine/mechanisms.py, ``ORDER``), as a horizontal round's server step does: each
+sampled agent's shared tensors are its upload, encoded and decoded by upload compression
+(``compression.kind``), clipped by client-level DP (``privacy.kind: client_dp``, DP-FedAvg on
+the policy update, McMahan et al., ICLR 2018), and aggregated by FedAvg's weighted mean (the
+weights being the agents' environment counts), a Byzantine-robust rule of ``fedloom.robust``
+(``aggregator.kind``) on the updates against the last broadcast, or DP's noised estimator.
+FedProx's proximal term is a local-update matter (``algorithm.mu``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from fedloom.config import AggregatorConfig
+from fedloom.compression.mechanism import Compression
+from fedloom.core.mechanism import Mechanism, MechanismChain, ServerStep
+from fedloom.core.protocol import ClientResult
 from fedloom.core.pytree import Tree, weighted_average
+from fedloom.engine.mechanisms import ORDER
 from fedloom.errors import RoundAborted
+from fedloom.privacy import ClientLevelDP
+from fedloom.rl.config import RLRunConfig
 from fedloom.robust import rules
 from fedloom.robust.aggregation import RobustAggregation
 
@@ -34,26 +43,40 @@ def broadcast(global_tree: Tree, stacked: Tree) -> None:
             stacked[k].copy_(v.unsqueeze(0).expand_as(stacked[k]))
 
 
-class PolicyAggregator:
-    """Aggregates the averaged keys of the K agents' stacked trees into the global tree."""
+def build_mechanisms(cfg: RLRunConfig, agents: int) -> list[Mechanism]:
+    """The run's server-side mechanisms in ``ORDER`` (the config's rules, rl/config.py, leave
+    only combinations that compose)."""
+    per_round = cfg.train.clients_per_round or agents
+    aggregator = cfg.aggregator
+    built: dict[str, Mechanism | None] = {"attack": None, "secure": None}
+    built["compression"] = (
+        Compression(cfg.compression, cfg.seed) if cfg.compression.kind != "none" else None
+    )
+    robust = None
+    if aggregator.kind != "mean":
+        f = aggregator.f if aggregator.f is not None else 1
+        if aggregator.kind in ("krum", "multi_krum"):  # the same number of agents takes part
+            rules.check_krum(per_round, f, aggregator.kind)  # every round: checked once, here
+        elif aggregator.kind == "bulyan":
+            rules.check_bulyan(per_round, f)
+        robust = RobustAggregation(aggregator, cfg.seed, f)
+    built["robust"] = robust
+    built["privacy"] = (
+        ClientLevelDP(cfg.privacy, cfg.seed, agents, per_round, cfg.train.rounds)
+        if cfg.privacy.kind == "client_dp"
+        else None
+    )
+    return [m for m in (built[key] for key in ORDER) if m is not None]
 
-    def __init__(
-        self,
-        config: AggregatorConfig,
-        seed: int,
-        weights: Sequence[float],
-        per_round: int | None = None,
-    ) -> None:
-        """``per_round``: agents aggregated each round (train.clients_per_round; None: all)."""
-        self.config = config
+
+class PolicyAggregator:
+    """Aggregates the averaged keys of the K agents' stacked trees into the global tree,
+    through the run's mechanisms (module docstring)."""
+
+    def __init__(self, cfg: RLRunConfig, weights: Sequence[float]) -> None:
         self.weights = list(weights)
-        f = config.f if config.f is not None else 1
-        n = per_round or len(weights)  # the same number of agents takes part every round,
-        if config.kind in ("krum", "multi_krum"):  # so check the rule's precondition
-            rules.check_krum(n, f, config.kind)  # once, here (ConfigError), not every round
-        elif config.kind == "bulyan":
-            rules.check_bulyan(n, f)
-        self.robust = RobustAggregation(config, seed, f) if config.kind != "mean" else None
+        self.mechanisms = MechanismChain(build_mechanisms(cfg, len(self.weights)))
+        self.rule = self.mechanisms.aggregator(weighted_average)
 
     def __call__(
         self,
@@ -62,28 +85,39 @@ class PolicyAggregator:
         previous: Tree,
         round: int,
         agents: Sequence[int] | None = None,
-    ) -> Tree:
-        """The new global tree from the ``agents`` (all when None); the previous one when a
-        robust rule's precondition fails."""
+    ) -> tuple[Tree, int]:
+        """(the new global tree from the ``agents`` (all when None), the bytes they uploaded);
+        the previous tree when a robust rule's precondition fails."""
         trees = unstack(stacked, keys)
-        picked = range(len(trees)) if agents is None else agents
-        trees, weights = [trees[i] for i in picked], [self.weights[i] for i in picked]
-        if self.robust is None:
-            return weighted_average(trees, weights)
-        self.robust.start_round(round, {"params": previous})
+        picked = list(range(len(trees))) if agents is None else list(agents)
+        mechanisms = self.mechanisms
+        message = mechanisms.start_round(round, {"params": previous})
+        results = [
+            ClientResult({"params": trees[i]}, self.weights[i], 0.0, client_id=i, round=round)
+            for i in picked
+        ]
+        sent = sum(mechanisms.send(round, r) for r in results)
+        for r in results:
+            r.upload = mechanisms.on_upload(r.upload, r.client_id, round)
+        mechanisms.before_aggregate(ServerStep(round, message, results, {}, message))
         try:
-            return self.robust.aggregate(trees, weights)
+            new = self.rule([r.upload["params"] for r in results], [r.weight for r in results])
         except RoundAborted:
-            return {k: v.clone() for k, v in previous.items()}
+            new = {k: v.clone() for k, v in previous.items()}
+        return new, sent
 
     def summary(self) -> dict[str, Any]:
-        if self.robust is None:
-            return {"kind": "mean"}
-        return self.robust.summary()
+        """summary.json's mechanism sections (``aggregator``, ``privacy``, ``compression``)."""
+        return {"aggregator": {"kind": "mean"}, **self.mechanisms.summary()}
+
+    def privacy_spent(self) -> dict[str, Any] | None:
+        privacy = self.mechanisms.named("privacy")
+        return privacy.privacy_spent() if isinstance(privacy, ClientLevelDP) else None
 
     def state_dict(self) -> dict[str, Any]:
-        return self.robust.state_dict() if self.robust is not None else {}
+        return self.mechanisms.state_dict()
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        if self.robust is not None:
-            self.robust.load_state_dict(saved)
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        if saved and not set(saved) & set(ORDER):  # before 0.3: the robust rule's own state
+            saved = {"robust": saved}
+        self.mechanisms.load_state_dict(dict(saved))

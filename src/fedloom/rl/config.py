@@ -24,7 +24,13 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from fedloom.config import AggregatorConfig, CheckpointConfig, StrictModel
+from fedloom.config import (
+    AggregatorConfig,
+    CheckpointConfig,
+    CompressionConfig,
+    PrivacyConfig,
+    StrictModel,
+)
 from fedloom.core.validation import format_validation_error
 from fedloom.errors import ConfigError, unknown_name_message
 
@@ -214,6 +220,50 @@ class RLRunConfig(StrictModel):
     eval: RLEvalConfig = RLEvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     aggregator: AggregatorConfig = AggregatorConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    """client_dp: DP-FedAvg on the policy update (docs/rl.md, Mechanisms)."""
+    compression: CompressionConfig = CompressionConfig()
+    """Upload compression of the agents' policy updates (docs/rl.md, Mechanisms)."""
+
+    @model_validator(mode="after")
+    def _mechanisms(self) -> RLRunConfig:
+        """The server-side mechanisms act on the averaged policy: only averaging algorithms
+        have one; client-level DP and compression compose as in horizontal runs."""
+        on = [
+            f"{key}: {value}"
+            for key, value, off in (
+                ("aggregator.kind", self.aggregator.kind, "mean"),
+                ("privacy.kind", self.privacy.kind, "none"),
+                ("compression.kind", self.compression.kind, "none"),
+            )
+            if value != off
+        ]
+        if on and not self.averages:
+            raise ValueError(
+                f"{', '.join(on)}: {self.algorithm.name} does not aggregate (use pavg, "
+                "pavg_embedding or qavg)"
+            )
+        if self.privacy.kind == "sample_dp":
+            raise ValueError(
+                "privacy.kind sample_dp: the agents' local steps are not DP-SGD steps; use "
+                "client_dp, DP on each agent's policy update"
+            )
+        if self.privacy.kind == "client_dp" and self.privacy.sampling != "fixed":
+            raise ValueError(
+                "privacy.sampling: RL rounds aggregate exactly train.clients_per_round agents; "
+                "set sampling: fixed"
+            )
+        others = [x for x in on if not x.startswith("privacy")]
+        if self.privacy.kind == "client_dp" and others:
+            raise ValueError(
+                f"privacy.kind client_dp does not combine with {', '.join(others)}: a robust "
+                "rule needs each update in the clear, compression changes the clipped updates"
+            )
+        if self.compression.download != "none":
+            raise ValueError(
+                "compression.download: the agents' broadcast is not compressed in RL runs"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> RLRunConfig:
@@ -233,11 +283,6 @@ class RLRunConfig(StrictModel):
             raise ValueError(
                 f"train.clients_per_round {per_round}: needs an averaging algorithm (pavg, "
                 f"pavg_embedding, qavg) and at most data.num_clients ({self.data.num_clients})"
-            )
-        if self.aggregator.kind != "mean" and not self.averages:
-            raise ValueError(
-                f"aggregator.kind {self.aggregator.kind}: {algo.name} does not "
-                "aggregate (use pavg, pavg_embedding or qavg)"
             )
         return self
 

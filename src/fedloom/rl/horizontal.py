@@ -37,9 +37,7 @@ class HorizontalAgents:
         self.k, self.n = cfg.data.num_clients, cfg.data.envs_per_client
         self.variants = agent_variants(cfg.data)
         self.env = make_env(cfg.data, self.variants, self.n)
-        self.aggregator = PolicyAggregator(
-            cfg.aggregator, cfg.seed, [float(self.n)] * self.k, cfg.train.clients_per_round
-        )
+        self.aggregator = PolicyAggregator(cfg, [float(self.n)] * self.k)
         self.bytes_up = self.bytes_down = 0
         self.env_steps = 0
 
@@ -70,17 +68,17 @@ class HorizontalAgents:
         )
 
     def server_step(self, round: int) -> None:
-        """Aggregate the sampled agents' shared tensors, broadcast the result, count the
-        traffic (the sampled agents' uploads and downloads). The batched environments step
+        """Aggregate the sampled agents' shared tensors through the run's mechanisms
+        (rl/aggregate.py), broadcast the result, count the traffic (the sampled agents'
+        uploads, as encoded with compression, and downloads). The batched environments step
         every agent; an agent left out of the round has its local work discarded by the
         broadcast, as a client that was not sampled never did it (docs/rl.md, Client
         sampling)."""
         keys, agents = self.shared_keys(), self.sampled(round)
-        self.global_ = self.aggregator(self.params, keys, self.global_, round, agents)
+        self.global_, sent = self.aggregator(self.params, keys, self.global_, round, agents)
         broadcast(self.global_, self.params)
-        size = num_bytes(self.global_)
-        self.bytes_up += len(agents) * size
-        self.bytes_down += len(agents) * size
+        self.bytes_up += sent
+        self.bytes_down += len(agents) * num_bytes(self.global_)
 
     def eval_groups(self) -> tuple[list[int], list[float]]:
         """(agent index, environment) per evaluation group: each agent in its own training

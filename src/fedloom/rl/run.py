@@ -42,6 +42,8 @@ def _mean(values: dict[str, float]) -> float | None:
 
 def _row(round: int, stats: dict[str, Any], returns: dict, learner: Any, wall: float) -> dict:
     both = {**returns["train"], **returns["unseen"]}
+    aggregator = getattr(learner, "aggregator", None)  # vertical agents have none
+    spent = aggregator.privacy_spent() if aggregator is not None else None
     return {
         "round": round,
         **stats,
@@ -52,6 +54,7 @@ def _row(round: int, stats: dict[str, Any], returns: dict, learner: Any, wall: f
         "communication": {"bytes_up": learner.bytes_up, "bytes_down": learner.bytes_down},
         "env_steps": learner.env_steps,
         "wall_seconds": wall,
+        **({"privacy": spent} if spent is not None else {}),
     }
 
 
@@ -107,6 +110,7 @@ def _summary(cfg: RLRunConfig, learner: Any, last: dict, wall: float, eval_s: fl
     algo = cfg.algorithm
     has_global = cfg.averages
     train_s = max(wall - eval_s, 1e-9)
+    mechanisms = learner.aggregator.summary() if has_global else {}
     extra: dict[str, Any] = {
         "learner": cfg.learner,
         "environment": cfg.data.name,
@@ -115,7 +119,7 @@ def _summary(cfg: RLRunConfig, learner: Any, last: dict, wall: float, eval_s: fl
         "env_steps": learner.env_steps,
         "env_steps_per_second": learner.env_steps / train_s,
         "seconds_evaluation": eval_s,
-        "aggregator": learner.aggregator.summary() if has_global else None,
+        "aggregator": mechanisms.pop("aggregator", None),
     }
     if isinstance(algo, VerticalDQNConfig):
         extra["vertical"] = {
@@ -157,4 +161,4 @@ def _summary(cfg: RLRunConfig, learner: Any, last: dict, wall: float, eval_s: fl
         wall_seconds=wall,
         seconds_per_round=wall / cfg.train.rounds,
     )
-    return {**summary, "rl": extra}
+    return {**summary, **mechanisms, "rl": extra}

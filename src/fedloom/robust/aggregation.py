@@ -20,20 +20,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedloom.core.mechanism import Aggregator, Mechanism, UpdateSum
 from fedloom.core.pytree import flatten64, unflatten
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError, RoundAborted
 from fedloom.robust import rules
 
 if TYPE_CHECKING:
-    from fedloom.config import AggregatorConfig
+    from fedloom.robust.config import AggregatorConfig
 
 Tree = dict[str, torch.Tensor]
 
 
-class RobustAggregation:
-    """One run's robust aggregation rule: ``start_round``, then ``aggregate`` (the
-    algorithm's ``ctx.aggregate``)."""
+class RobustAggregation(Mechanism):
+    """One run's robust aggregation rule (core/mechanism.py): ``start_round``, then
+    ``aggregate`` in place of the mean (the algorithm's ``ctx.aggregate``)."""
+
+    key = "robust"
+    section = "aggregator"
 
     def __init__(self, config: AggregatorConfig, seed: int, f: int) -> None:
         self.config = config
@@ -42,12 +46,15 @@ class RobustAggregation:
         """The number of Byzantine clients the rule tolerates (``aggregator.f``, or the attack's
         expected number per round)."""
         self.round = 0
-        self.broadcast: Mapping[str, Any] = {}
+        self.sent: Mapping[str, Any] = {}
         self.rounds_skipped = 0
 
     def start_round(self, round: int, message: Mapping[str, Any]) -> None:
         self.round = round
-        self.broadcast = message
+        self.sent = message
+
+    def wrap_aggregate(self, inner: Aggregator, update_sum: UpdateSum | None) -> Aggregator:
+        return self.aggregate
 
     def aggregate(self, trees: Sequence[Tree], weights: Sequence[float]) -> Tree:
         keys = list(trees[0])
@@ -92,7 +99,7 @@ class RobustAggregation:
         raise ValueError(f"no robust rule {kind!r}")
 
     def _anchor(self, keys: list[str]) -> Mapping[str, torch.Tensor] | None:
-        for value in self.broadcast.values():
+        for value in self.sent.values():
             if isinstance(value, Mapping) and value and set(value) == set(keys):
                 return value
         return None

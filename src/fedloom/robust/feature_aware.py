@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fedloom.core.mechanism import Aggregator, Mechanism, ServerStep, UpdateSum
 from fedloom.core.pytree import weighted_average
 from fedloom.errors import ConfigError
 
@@ -45,12 +46,16 @@ def first_layer_key(module: torch.nn.Module, input_shape: tuple[int, ...]) -> st
     )
 
 
-class FeatureAwareAggregation:
-    """One run's missing-feature-aware mean: ``begin`` with the round's clients, then
-    ``aggregate`` (the algorithm's ``ctx.aggregate``)."""
+class FeatureAwareAggregation(Mechanism):
+    """One run's missing-feature-aware mean (core/mechanism.py): ``begin`` with the round's
+    clients (``before_aggregate``), then ``aggregate`` in place of the mean (the algorithm's
+    ``ctx.aggregate``)."""
+
+    key = "robust"
+    section = "aggregator"
 
     def __init__(self, key: str, masks: torch.Tensor) -> None:
-        self.key = key
+        self.weight_key = key
         """The first layer's weight: its columns are the input features."""
         self.masks = masks
         """(clients, features) bool: M."""
@@ -62,15 +67,22 @@ class FeatureAwareAggregation:
     def begin(self, clients: Sequence[int]) -> None:
         self.clients = list(clients)
 
+    def before_aggregate(self, step: ServerStep) -> None:
+        self.begin([r.client_id for r in step.results])
+
+    def wrap_aggregate(self, inner: Aggregator, update_sum: UpdateSum | None) -> Aggregator:
+        return self.aggregate
+
     def aggregate(self, trees: Sequence[Tree], weights: Sequence[float]) -> Tree:
         out = weighted_average(trees, weights)
-        if self.key not in trees[0] or not self.clients:
+        if self.weight_key not in trees[0] or not self.clients:
             return out
         if len(trees) != len(self.clients):
             raise ValueError(
                 f"feature_aware: {len(trees)} trees for the round's {len(self.clients)} clients"
             )
-        out[self.key] = self.columns([t[self.key] for t in trees], weights, out[self.key])
+        key = self.weight_key
+        out[key] = self.columns([t[key] for t in trees], weights, out[key])
         return out
 
     def columns(
@@ -96,7 +108,7 @@ class FeatureAwareAggregation:
         m = self.masks
         return {
             "kind": "feature_aware",
-            "layer": self.key,
+            "layer": self.weight_key,
             "features": int(m.shape[1]),
             "observed_share_mean": float(m.float().mean()),
             "unobserved_by_all": int((~m.any(dim=0)).sum()),

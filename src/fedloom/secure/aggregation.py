@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from fedloom.core.mechanism import Aggregator, Mechanism, ServerStep, UpdateSum
 from fedloom.core.pytree import flatten64, unflatten
 from fedloom.secure.base import DropStage, SecureAggregationAbort, SecureSum
 
 if TYPE_CHECKING:
-    from fedloom.config import SecureAggregationConfig
+    from fedloom.secure.config import SecureAggregationConfig
 
 Tree = dict[str, torch.Tensor]
 
@@ -91,10 +93,15 @@ def flatten(tree: Mapping[str, torch.Tensor], keys: Sequence[str]) -> np.ndarray
     return flatten64(tree, keys).numpy()
 
 
-class SecureAggregation:
-    """One run's secure aggregation: ``begin`` a round with its clients and dropouts, then the
-    algorithm's ``ctx.aggregate`` (``aggregate``) runs the protocol; the counters are what
-    summary.json's ``secure_aggregation`` reports."""
+class SecureAggregation(Mechanism):
+    """One run's secure aggregation (core/mechanism.py): ``begin`` a round with its clients
+    and dropouts (``before_aggregate``), then the algorithm's ``ctx.aggregate`` runs the
+    protocol: the weighted mean (``aggregate``) or, under client-level DP, the sum of the
+    updates DP noises (``sum_updates``); the counters are what summary.json's
+    ``secure_aggregation`` reports."""
+
+    key = "secure"
+    section = "secure_aggregation"
 
     def __init__(self, config: SecureAggregationConfig, protocol: SecureSum) -> None:
         self.config = config
@@ -103,18 +110,17 @@ class SecureAggregation:
         self.anchor: Tree | None = None
         self.clients: list[int] = []
         self.drops: dict[int, DropStage] = {}
-        self.rounds_completed = 0
-        self.rounds_aborted = 0
-        self.bytes_up = 0
-        self.bytes_down = 0
-        self.seconds: dict[str, float] = {}
-        """Protocol seconds by phase, summed over the run."""
+        self.counters = SecureCounters()
         self.last: dict[str, Any] = {}
         """The latest round: included clients, bytes, seconds, or why it aborted."""
 
     # -- the round ------------------------------------------------------------------------
     def begin(
-        self, round: int, message: Mapping[str, Any], clients: Sequence[int], drops: dict
+        self,
+        round: int,
+        message: Mapping[str, Any],
+        clients: Sequence[int],
+        drops: Mapping[int, DropStage],
     ) -> None:
         """The round's broadcast model (``message['params']``), the clients whose uploads the
         algorithm will aggregate, in that order, and every client that vanished and when."""
@@ -122,6 +128,21 @@ class SecureAggregation:
         self.anchor = dict(message["params"])
         self.clients = list(clients)
         self.drops = dict(drops)
+
+    def before_aggregate(self, step: ServerStep) -> None:
+        self.begin(step.round, step.message, [r.client_id for r in step.results], step.drops)
+
+    def wrap_sum(self, inner: UpdateSum | None) -> UpdateSum | None:
+        return self.sum_updates
+
+    def wrap_aggregate(self, inner: Aggregator, update_sum: UpdateSum | None) -> Aggregator:
+        return self.aggregate
+
+    def round_bytes(self, up: int, down: int) -> tuple[int, int]:
+        """The protocol's traffic in place of the plain uploads (when its round completed)."""
+        if "bytes_up" not in self.last:
+            return up, down
+        return self.last["bytes_up"], down + self.last["bytes_down"]
 
     def aggregate(self, trees: Sequence[Tree], weights: Sequence[float]) -> Tree:
         """The weighted mean of ``trees`` (the clients' models) through the protocol."""
@@ -164,55 +185,52 @@ class SecureAggregation:
         try:
             result = self.protocol.sum(self.round, vectors, self.drops)
         except SecureAggregationAbort as err:
-            self.rounds_aborted += 1
+            self.counters.rounds_aborted += 1
             self.last = {"round": self.round, "aborted": str(err)}
             raise
-        self.rounds_completed += 1
-        self.bytes_up += result.bytes_up
-        self.bytes_down += result.bytes_down
+        counters = self.counters
+        counters.rounds_completed += 1
+        counters.bytes_up += result.bytes_up
+        counters.bytes_down += result.bytes_down
         for phase, s in result.seconds.items():
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + s
+            counters.seconds[phase] = counters.seconds.get(phase, 0.0) + s
         self.last = {
             "round": self.round,
             "included": len(result.included),
             "bytes_up": result.bytes_up,
             "bytes_down": result.bytes_down,
         }
-        self.seconds["round"] = self.seconds.get("round", 0.0) + time.perf_counter() - start
+        counters.seconds["round"] = counters.seconds.get("round", 0.0) + time.perf_counter() - start
         return np.asarray(result.total, dtype=np.float64)
 
     # -- run state and reports ------------------------------------------------------------
     def progress(self) -> dict[str, Any]:
         """The metrics row's ``secure_aggregation``: counters so far and the latest round
         (no timings: rows of a resumed run equal the uninterrupted run's)."""
-        return {
-            "kind": self.config.kind,
-            "rounds_completed": self.rounds_completed,
-            "rounds_aborted": self.rounds_aborted,
-            "bytes_up": self.bytes_up,
-            "bytes_down": self.bytes_down,
-            "last": dict(self.last),
-        }
+        out = {"kind": self.config.kind, **self.state_dict(), "last": dict(self.last)}
+        del out["seconds"]
+        return out
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``secure_aggregation``."""
-        out = self.progress()
-        del out["last"]
-        out["seconds"] = dict(self.seconds)
-        return out
+        return {"kind": self.config.kind, **self.state_dict()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "rounds_completed": self.rounds_completed,
-            "rounds_aborted": self.rounds_aborted,
-            "bytes_up": self.bytes_up,
-            "bytes_down": self.bytes_down,
-            "seconds": dict(self.seconds),
-        }
+        counters = asdict(self.counters)
+        counters["seconds"] = dict(self.counters.seconds)
+        return counters
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        self.rounds_completed = int(saved.get("rounds_completed", 0))
-        self.rounds_aborted = int(saved.get("rounds_aborted", 0))
-        self.bytes_up = int(saved.get("bytes_up", 0))
-        self.bytes_down = int(saved.get("bytes_down", 0))
-        self.seconds = dict(saved.get("seconds", {}))
+        self.counters = SecureCounters(**{**asdict(SecureCounters()), **saved})
+
+
+@dataclass
+class SecureCounters:
+    """Secure aggregation's counters over a run (checkpointed; summary.json's section)."""
+
+    rounds_completed: int = 0
+    rounds_aborted: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Protocol seconds by phase, summed over the run."""

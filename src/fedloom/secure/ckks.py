@@ -26,10 +26,8 @@ from fedloom.secure.he_protocol import (
     AggregatingServer,
     CiphertextUpload,
     DecryptedAggregate,
-    DecryptionPolicy,
-    DecryptionRecord,
-    DecryptRequest,
     EncryptedAggregation,
+    PolicyKeyAuthority,
 )
 from fedloom.secure.transcript import Transcript
 
@@ -62,24 +60,17 @@ def public_context_bytes(context: ts.Context) -> bytes:
     )
 
 
-class CKKSKeyAuthority:
+class CKKSKeyAuthority(PolicyKeyAuthority):
     """The only holder of the CKKS secret key; decrypts what its policy allows."""
 
     def __init__(self, min_contributors: int, n_threads: int | None = None) -> None:
+        super().__init__(min_contributors)
         self._context = secret_context(n_threads)
         self.public_context = public_context_bytes(self._context)
-        self.policy = DecryptionPolicy(min_contributors)
 
-    @property
-    def log(self) -> list[DecryptionRecord]:
-        return self.policy.log
-
-    def decrypt(self, request: DecryptRequest) -> DecryptedAggregate:
-        self.policy.authorize(request)
-        values = [ts.ckks_vector_from(self._context, c).decrypt() for c in request.ciphertexts]
-        return DecryptedAggregate(
-            request.round, request.contributors, np.concatenate(values).astype(np.float64)
-        )
+    def decrypt_ciphertexts(self, ciphertexts: tuple[Any, ...]) -> np.ndarray:
+        values = [ts.ckks_vector_from(self._context, c).decrypt() for c in ciphertexts]
+        return np.concatenate(values).astype(np.float64)
 
 
 class CKKSClient:
@@ -167,10 +158,11 @@ class CKKSAggregation(EncryptedAggregation):
         public = self.key_authority.public_context
         return public, len(public)
 
-    def message_bytes(self, message: CiphertextUpload | DecryptRequest | DecryptedAggregate) -> int:
-        if isinstance(message, DecryptedAggregate):
-            return int(message.plaintexts.nbytes)
-        return sum(len(c) for c in message.ciphertexts)
+    def ciphertexts_nbytes(self, ciphertexts: tuple[Any, ...]) -> int:
+        return sum(len(c) for c in ciphertexts)
+
+    def plaintexts_nbytes(self, plaintexts: np.ndarray) -> int:
+        return int(plaintexts.nbytes)
 
     def decode(self, answer: DecryptedAggregate, length: int) -> tuple[np.ndarray, None]:
         return answer.plaintexts[:length], None

@@ -22,10 +22,8 @@ from fedloom.secure.he_protocol import (
     AggregatingServer,
     CiphertextUpload,
     DecryptedAggregate,
-    DecryptionPolicy,
-    DecryptionRecord,
-    DecryptRequest,
     EncryptedAggregation,
+    PolicyKeyAuthority,
 )
 from fedloom.secure.paillier import (
     DEFAULT_KEY_BITS,
@@ -47,26 +45,20 @@ from fedloom.secure.paillier import (
 from fedloom.secure.transcript import Transcript
 
 
-class PaillierKeyAuthority:
+class PaillierKeyAuthority(PolicyKeyAuthority):
     """The only holder of the secret key: decrypts a round aggregate if the
     :class:`~fedloom.secure.he_protocol.DecryptionPolicy` allows it."""
 
     def __init__(self, keypair: PaillierKeypair, min_contributors: int) -> None:
+        super().__init__(min_contributors)
         self._keypair = keypair
-        self.policy = DecryptionPolicy(min_contributors)
 
     @property
     def public_key(self) -> PublicKey:
         return self._keypair.public_key
 
-    @property
-    def log(self) -> list[DecryptionRecord]:
-        return self.policy.log
-
-    def decrypt(self, request: DecryptRequest) -> DecryptedAggregate:
-        self.policy.authorize(request)
-        plaintexts = decrypt_packed(self._keypair.private_key, request.ciphertexts)
-        return DecryptedAggregate(request.round, request.contributors, tuple(plaintexts))
+    def decrypt_ciphertexts(self, ciphertexts: tuple[Ciphertext, ...]) -> tuple[int, ...]:
+        return tuple(decrypt_packed(self._keypair.private_key, ciphertexts))
 
 
 class PaillierClient:
@@ -170,10 +162,11 @@ class PaillierAggregation(EncryptedAggregation):
     def public_key_message(self) -> tuple[PublicKey, int]:
         return self.public_key, public_key_bytes(self.public_key)
 
-    def message_bytes(self, message: CiphertextUpload | DecryptRequest | DecryptedAggregate) -> int:
-        if isinstance(message, DecryptedAggregate):
-            return len(message.plaintexts) * self.packing.plaintext_bytes
-        return len(message.ciphertexts) * ciphertext_bytes(self.public_key)
+    def ciphertexts_nbytes(self, ciphertexts: tuple[Ciphertext, ...]) -> int:
+        return len(ciphertexts) * ciphertext_bytes(self.public_key)
+
+    def plaintexts_nbytes(self, plaintexts: tuple[int, ...]) -> int:
+        return len(plaintexts) * self.packing.plaintext_bytes
 
     def decode(self, answer: DecryptedAggregate, length: int) -> tuple[np.ndarray, np.ndarray]:
         return self.server.decode(answer, length)

@@ -57,8 +57,18 @@ class PublicKeyMessage:
         return (self.public_key,)
 
 
+class _CiphertextPayload:
+    """Messages whose payload is their ``ciphertexts``."""
+
+    ciphertexts: tuple[Any, ...]
+
+    @property
+    def payload(self) -> tuple[Any, ...]:
+        return self.ciphertexts
+
+
 @dataclass(frozen=True)
-class CiphertextUpload:
+class CiphertextUpload(_CiphertextPayload):
     """Client -> server: the client's encrypted vector and its public integer weight."""
 
     kind: ClassVar[str] = "ciphertext_upload"
@@ -67,23 +77,15 @@ class CiphertextUpload:
     ciphertexts: tuple[Any, ...]
     weight: int = 1
 
-    @property
-    def payload(self) -> tuple[Any, ...]:
-        return self.ciphertexts
-
 
 @dataclass(frozen=True)
-class DecryptRequest:
+class DecryptRequest(_CiphertextPayload):
     """Server -> KA: the round aggregate and the clients the server declares are in it."""
 
     kind: ClassVar[str] = "decrypt_request"
     round: int
     contributors: tuple[int, ...]
     ciphertexts: tuple[Any, ...]
-
-    @property
-    def payload(self) -> tuple[Any, ...]:
-        return self.ciphertexts
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,28 @@ class KeyAuthorityRole(Protocol):
     def decrypt(self, request: DecryptRequest) -> DecryptedAggregate: ...
 
 
+class PolicyKeyAuthority(ABC):
+    """The key authority both HE backends share: the only holder of the secret key, it
+    decrypts a round aggregate if its :class:`DecryptionPolicy` allows it (``decrypt``); the
+    backend supplies the decryption itself (``decrypt_ciphertexts``)."""
+
+    def __init__(self, min_contributors: int) -> None:
+        self.policy = DecryptionPolicy(min_contributors)
+
+    @property
+    def log(self) -> list[DecryptionRecord]:
+        return self.policy.log
+
+    def decrypt(self, request: DecryptRequest) -> DecryptedAggregate:
+        self.policy.authorize(request)
+        plaintexts = self.decrypt_ciphertexts(request.ciphertexts)
+        return DecryptedAggregate(request.round, request.contributors, plaintexts)
+
+    @abstractmethod
+    def decrypt_ciphertexts(self, ciphertexts: tuple[Any, ...]) -> Any:
+        """The plaintexts of the round aggregate's ``ciphertexts``."""
+
+
 class ClientRole(Protocol):
     def upload(self, round: int, x: np.ndarray, weight: int = 1) -> CiphertextUpload: ...
 
@@ -286,9 +310,19 @@ class EncryptedAggregation(ABC):
     def public_key_message(self) -> tuple[Any, int]:
         """The public key (or context) clients encrypt under, and its serialised size."""
 
-    @abstractmethod
     def message_bytes(self, message: CiphertextUpload | DecryptRequest | DecryptedAggregate) -> int:
         """Serialised size of the ciphertexts (or plaintexts) in ``message``."""
+        if isinstance(message, DecryptedAggregate):
+            return self.plaintexts_nbytes(message.plaintexts)
+        return self.ciphertexts_nbytes(message.ciphertexts)
+
+    @abstractmethod
+    def ciphertexts_nbytes(self, ciphertexts: tuple[Any, ...]) -> int:
+        """Serialised size of ``ciphertexts``."""
+
+    @abstractmethod
+    def plaintexts_nbytes(self, plaintexts: Any) -> int:
+        """Serialised size of a decrypted aggregate's ``plaintexts``."""
 
     @abstractmethod
     def decode(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,16 +43,23 @@ SecAggAbort = SecureAggregationAbort
 _QUANTIZE, _GRAPH = 1, 2  # purpose codes of the (seed, round, client, purpose) streams
 
 
+@dataclass(frozen=True)
 class _PairwiseMasking:
-    """What SecAgg and SecAgg+ share: quantise, run the masked round, decode. Subclasses say
+    """What SecAgg and SecAgg+ share: their common settings (documented on :class:`SecAgg`);
+    quantise, run the masked round, decode. Subclasses add ``threshold`` (a field) and say
     which graph and threshold a round uses."""
 
-    clip: float
-    bits: int
-    threshold: int | None
-    max_clients: int
-    seed: int
-    key_seed: int | None
+    clip: float = 8.0
+    bits: int = 22
+    _: KW_ONLY
+    max_clients: int = 1000
+    seed: int = 0
+    key_seed: int | None = None
+    if TYPE_CHECKING:  # a field of each subclass, after its other positional settings
+        threshold: int | None
+
+    def __post_init__(self) -> None:
+        self._check_settings()
 
     def graph(self, round: int, clients: Sequence[int]) -> Graph:
         raise NotImplementedError
@@ -147,16 +155,7 @@ class SecAgg(_PairwiseMasking):
     key_seed: derive keys from a seed, tests only; None (default) draws fresh keys.
     """
 
-    clip: float = 8.0
-    bits: int = 22
     threshold: int | None = None
-    _: KW_ONLY
-    max_clients: int = 1000
-    seed: int = 0
-    key_seed: int | None = None
-
-    def __post_init__(self) -> None:
-        self._check_settings()
 
     def graph(self, round: int, clients: Sequence[int]) -> Graph:
         return complete_graph(clients)
@@ -178,17 +177,11 @@ class SecAggPlus(_PairwiseMasking):
     survivors. Other settings as in :class:`SecAgg`.
     """
 
-    clip: float = 8.0
-    bits: int = 22
     neighbours: int | None = None
     threshold: int | None = None
-    _: KW_ONLY
-    max_clients: int = 1000
-    seed: int = 0
-    key_seed: int | None = None
 
     def __post_init__(self) -> None:
-        self._check_settings()
+        super().__post_init__()
         k = self.neighbours
         if k is not None and (not isinstance(k, int) or k < 2 or k % 2):
             raise SecureAggregationConfigError(

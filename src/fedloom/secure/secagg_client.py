@@ -13,17 +13,9 @@ import struct
 import numpy as np
 
 from fedloom.secure import secagg_crypto as crypto
+from fedloom.secure import secagg_messages as msg
 from fedloom.secure import shamir
 from fedloom.secure.base import SecureAggregationAbort
-from fedloom.secure.secagg_messages import (
-    AdvertiseKeys,
-    ForwardedShares,
-    KeyList,
-    MaskedInput,
-    ShareKeys,
-    UnmaskRequest,
-    UnmaskResponse,
-)
 
 _IDS = struct.Struct("<II")
 _S, _B = "s_sk", "b"  # which of v's two shares a client revealed
@@ -72,14 +64,14 @@ class SecAggClient:
         )
 
     # Round 0: AdvertiseKeys
-    def advertise(self) -> AdvertiseKeys:
+    def advertise(self) -> msg.AdvertiseKeys:
         """Send c_u^pk and s_u^pk."""
-        return AdvertiseKeys(
+        return msg.AdvertiseKeys(
             self.id, crypto.public_bytes(self._c_key), crypto.public_bytes(self._s_key)
         )
 
     # Round 1: ShareKeys
-    def share_keys(self, key_list: KeyList) -> ShareKeys:
+    def share_keys(self, key_list: msg.KeyList) -> msg.ShareKeys:
         """Draw b_u; t-of-m Shamir-share s_u^sk and b_u among the m holders (u and its
         neighbours in U1); encrypt v's pair of shares under KA(c_u^sk, c_v^pk)."""
         unknown = set(key_list.keys) - self.neighbours
@@ -111,7 +103,7 @@ class SecAggClient:
             ciphertexts[v] = crypto.seal(
                 self._channel_key(v), plaintext, share_aad(self.round, self.id, v)
             )
-        return ShareKeys(self.id, ciphertexts)
+        return msg.ShareKeys(self.id, ciphertexts)
 
     def _channel_key(self, v: int) -> bytes:
         if v not in self._channel_keys:
@@ -120,7 +112,7 @@ class SecAggClient:
         return self._channel_keys[v]
 
     # Round 2: MaskedInput
-    def masked_input(self, forwarded: ForwardedShares, q: np.ndarray) -> MaskedInput:
+    def masked_input(self, forwarded: msg.ForwardedShares, q: np.ndarray) -> msg.MaskedInput:
         """y_u = q_u + PRG(b_u) + sum over v in U2 (neighbours that shared) of p_{u,v},
         p_{u,v} = +PRG(s_{u,v}) if u < v else -PRG(s_{u,v}), all mod 2^32."""
         if self._b is None:
@@ -148,10 +140,10 @@ class SecAggClient:
                 y += mask
             else:
                 y -= mask
-        return MaskedInput(self.id, y)
+        return msg.MaskedInput(self.id, y)
 
     # Round 3: Unmasking
-    def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
+    def unmask(self, request: msg.UnmaskRequest) -> msg.UnmaskResponse:
         """Reveal v's b_v share for each surviving v and v's s_v^sk share for each dropped v,
         after checking that no v is asked for both (in this request or with an earlier one)."""
         survivors, dropped = set(request.survivors), set(request.dropped)
@@ -186,7 +178,7 @@ class SecAggClient:
             else:
                 self._revealed[v] = _S
                 sk_shares[v] = s_share
-        return UnmaskResponse(self.id, b_shares, sk_shares)
+        return msg.UnmaskResponse(self.id, b_shares, sk_shares)
 
     def _shares_of(self, v: int) -> tuple[bytes, bytes]:
         """v's serialised (s_v^sk share, b_v share) held by this client."""

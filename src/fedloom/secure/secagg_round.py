@@ -10,9 +10,10 @@ then gone (in U3, not U5: its input is summed, its b_u rebuilt from others' shar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from fedloom.secure.transcript import SERVER, Transcript, client_party
 
 ClientMessage = AdvertiseKeys | ShareKeys | MaskedInput | UnmaskResponse
 PHASES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
+M = TypeVar("M", bound=Mapping[int, Message])
 
 
 @dataclass
@@ -91,53 +93,54 @@ class SecAggRound:
         self._record(stage, client_party(msg.sender), SERVER, msg)
         receive(msg)
 
-    def _down(self, stage: str, messages: Mapping[int, Message]) -> None:
+    def _down(self, stage: str, messages: M) -> M:
+        """Deliver the server's ``messages`` (client -> its message) and return them."""
         for u, msg in messages.items():
             self._record(stage, SERVER, client_party(u), msg)
+        return messages
 
     def _record(self, stage: str, sender: str, receiver: str, msg: Message) -> None:
         self.transcript.record(
             msg, round=self.round, stage=stage, sender=sender, receiver=receiver, nbytes=msg.nbytes
         )
 
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Add the seconds the block takes to ``phase``'s."""
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] += time.perf_counter() - start
+
     def advertise_keys(self) -> None:
         """Round 0: every client advertises; the server answers with the key lists."""
-        start = time.perf_counter()
-        for u in self._alive(None):
-            self._up(PHASES[0], self.clients[u].advertise(), self.server.receive_keys)
-        self.key_lists = self.server.close_keys()
-        self._down(PHASES[0], self.key_lists)
-        self.seconds[PHASES[0]] += time.perf_counter() - start
+        with self._timed(PHASES[0]):
+            for u in self._alive(None):
+                self._up(PHASES[0], self.clients[u].advertise(), self.server.receive_keys)
+            self.key_lists = self._down(PHASES[0], self.server.close_keys())
 
     def share_keys(self) -> None:
         """Round 1: clients still present share their keys; the server forwards the shares."""
-        start = time.perf_counter()
-        for u in self._alive("keys"):
-            msg = self.clients[u].share_keys(self.key_lists[u])
-            self._up(PHASES[1], msg, self.server.receive_shares)
-        self.forwarded = self.server.close_shares()
-        self._down(PHASES[1], self.forwarded)
-        self.seconds[PHASES[1]] += time.perf_counter() - start
+        with self._timed(PHASES[1]):
+            for u in self._alive("keys"):
+                msg = self.clients[u].share_keys(self.key_lists[u])
+                self._up(PHASES[1], msg, self.server.receive_shares)
+            self.forwarded = self._down(PHASES[1], self.server.close_shares())
 
     def masked_input(self) -> None:
         """Round 2: clients still present send y_u; the server closes U3 and asks for shares."""
-        start = time.perf_counter()
-        for u in self._alive("shares"):
-            msg = self.clients[u].masked_input(self.forwarded[u], self.inputs[u])
-            self._up(PHASES[2], msg, self.server.receive_masked_input)
-        self.requests = self.server.close_masked_input()
-        self._down(PHASES[2], self.requests)
-        self.seconds[PHASES[2]] += time.perf_counter() - start
+        with self._timed(PHASES[2]):
+            for u in self._alive("shares"):
+                msg = self.clients[u].masked_input(self.forwarded[u], self.inputs[u])
+                self._up(PHASES[2], msg, self.server.receive_masked_input)
+            self.requests = self._down(PHASES[2], self.server.close_masked_input())
 
     def unmasking(self) -> np.ndarray:
         """Round 3: clients still present answer; the server rebuilds secrets and unmasks."""
-        start = time.perf_counter()
-        for u in self._alive("unmask"):
-            msg = self.clients[u].unmask(self.requests[u])
-            self._up(PHASES[3], msg, self.server.receive_unmask)
-        total = self.server.close_unmask()
-        self.seconds[PHASES[3]] += time.perf_counter() - start
-        return total
+        with self._timed(PHASES[3]):
+            for u in self._alive("unmask"):
+                msg = self.clients[u].unmask(self.requests[u])
+                self._up(PHASES[3], msg, self.server.receive_unmask)
+            return self.server.close_unmask()
 
     def run(self) -> MaskedSum:
         """All four rounds; raises ``SecureAggregationAbort`` below the threshold."""

@@ -1,4 +1,6 @@
-"""The local solver every client-side algorithm shares: minibatch SGD over a batch plan.
+"""The local solver every client-side algorithm shares: minibatch SGD over a batch plan, and
+its one fast one-client loop (:func:`local_sgd`), which the FedAvg family's fused path, the
+objective programs, fine-tuning and the cold-start adaptation all call.
 
 The plan (which samples each step uses) comes from the stream (seed, round, client, 'batches'):
 each epoch is one permutation of the client's samples sliced into contiguous batches, so the
@@ -7,14 +9,15 @@ same plan is reproduced on every executor.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from fedloom.core.functional import FunctionalModel, GradCorrection
-from fedloom.core.lean import backward
+from fedloom.core.functional import FunctionalModel, GradCorrection, head_input
+from fedloom.core.lean import LeanModule, backward
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
@@ -128,6 +131,26 @@ class LocalSolution:
     """Heavy-ball momentum buffer at the end (None when the solver ran without momentum)."""
 
 
+@dataclass
+class Batch:
+    """One local step's minibatch, as a minibatch objective of :func:`local_sgd` sees it."""
+
+    step: int
+    x: torch.Tensor
+    y: torch.Tensor
+    out: torch.Tensor
+    """The model's output (logits for classification)."""
+    features: torch.Tensor | None
+    """The head's input h(x) (the representation), when the solver was given ``head``."""
+    lean: LeanModule
+    """The trainer's module (e.g. to apply the head to other features: FedGen)."""
+
+
+BatchObjective = Callable[[Batch], torch.Tensor]
+StepCallback = Callable[[int, LeanModule], None]
+"""Called after each step with the number of steps done and the trainer (for snapshots)."""
+
+
 def local_sgd(
     model: FunctionalModel,
     params: Tree,
@@ -139,46 +162,72 @@ def local_sgd(
     correction: GradCorrection | None = None,
     momentum: float = 0.0,
     velocity: Tree | None = None,
+    *,
+    objective: BatchObjective | None = None,
+    trainable: Collection[str] | None = None,
+    head: str | None = None,
+    on_step: StepCallback | None = None,
 ) -> LocalSolution:
-    """Run SGD steps w <- w - lr (grad F_k(w; batch) + correction(w)) along ``plan``.
+    """The one fast one-client SGD loop: steps w <- w - lr (grad L(w; batch) + correction(w))
+    along ``plan``, L the model's loss or ``objective``.
 
-    With ``momentum`` rho > 0 the steps are heavy-ball, as ``torch.optim.SGD`` (no dampening):
-    v <- rho v + g, w <- w - lr v, from ``velocity`` (default zero). The inputs are not
-    modified. Runs on the model's lean trainer (flat buffers, one fused update per step); the
-    math is the same as the functional path the vectorized executor vmaps.
+    - ``objective``: the minibatch objective (``Batch``: the step, the minibatch, the model's
+      output, the head's input when ``head`` names the head module); default the model's loss;
+    - ``correction``: an extra gradient term at w (FedProx's proximal pull, SCAFFOLD's control
+      variates), added after the backward pass;
+    - ``momentum`` rho > 0: heavy-ball steps as ``torch.optim.SGD`` (no dampening),
+      v <- rho v + g, w <- w - lr v, from ``velocity`` (default zero);
+    - ``trainable``: only these parameters move (default: all; FedPer's head, the cold-start
+      adaptation's keys);
+    - ``on_step(done, lean)`` after each step (snapshots).
+
+    The inputs are not modified; buffers (BatchNorm statistics) evolve in training mode. Runs
+    on the model's lean trainer (flat buffers, one fused update per step); the math is the
+    same as the client programs' steps, which both backends run (algorithms/base.py,
+    ``SGDProgram``).
     """
     lean = model.lean()
     lean.load(params, buffers)
     flat, flat_grad = lean.flat, lean.flat_grad
     grads = lean.grad_view()
+    frozen = [] if trainable is None else [k for k in lean.keys if k not in set(trainable)]
     flat_velocity = None
     if momentum:
         flat_velocity = torch.zeros_like(flat)
         if velocity is not None:
             lean.flatten_into(velocity, flat_velocity)
+    hooked = head_input(lean.module.get_submodule(head)) if head else contextlib.nullcontext({})
     total = 0.0
     # one grad-mode switch for the loop, not two context managers a step: the updates below
     # touch only the flat buffers, which autograd does not track (the parameters are views)
-    with torch.enable_grad():
-        for xb, yb in minibatches(x, y, plan):
+    with hooked as store, torch.enable_grad():
+        for step, (xb, yb) in enumerate(minibatches(x, y, plan)):
             flat_grad.zero_()
-            loss = model.loss_from_output(lean.module(xb), yb)
+            out = lean.module(xb)
+            if objective is None:
+                loss = model.loss_from_output(out, yb)
+            else:
+                loss = objective(Batch(step, xb, yb, out, store.get("h"), lean))
             backward(loss)
-            if correction is not None:
+            if correction is not None:  # a function of the views: no graph for it
                 with torch.no_grad():
                     extra = correction(lean.views)
-                    if extra is not None:
-                        for k, g in grads.items():
-                            g.add_(extra[k])
+                if extra is not None:
+                    for k, g in grads.items():
+                        g.add_(extra[k])
+            for k in frozen:
+                grads[k].zero_()
             if flat_velocity is not None:
                 flat_velocity.mul_(momentum).add_(flat_grad)
                 flat.sub_(flat_velocity, alpha=lr)
             else:
                 flat.sub_(flat_grad, alpha=lr)
             total += loss.item()
-    solved_params = lean.params()
+            if on_step is not None:
+                with torch.no_grad():  # snapshots copy the views
+                    on_step(step + 1, lean)
     return LocalSolution(
-        solved_params,
+        lean.params(),
         lean.buffers_copy(),
         total / max(1, len(plan)),
         params,

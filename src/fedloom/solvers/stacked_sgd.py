@@ -70,7 +70,8 @@ def stacked_sgd_step(
 
 def stacked_correction(correction: Correction, params: Tree, state: Any) -> Tree | None:
     """``correction`` of every client at its stacked ``params`` (and stacked ``state``, or
-    None), vmapped: corrections are pure per-client functions (Algorithm.local_correction)."""
+    None), vmapped: corrections are pure per-client functions (the ``correction`` option of
+    ``SGDProgram``)."""
     if state is None:
         return vmap(lambda p: correction(p, None))(params)
     return vmap(correction)(params, state)

@@ -16,7 +16,7 @@ config rejects is a ``ConfigError`` naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import optuna
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationError, model_validator
@@ -32,46 +32,54 @@ class _Dist(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class FloatDist(_Dist):
-    """A real number in [low, high]; ``log``: uniform in log space; ``step``: a grid."""
+class _RangeDist(_Dist):
+    """Base of the numeric distributions: a range [low, high], optionally in log space; its
+    corners are the two ends."""
 
-    kind: Literal["float"]
+    kind: str
     low: float
     high: float
     log: bool = False
-    step: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _range(self) -> FloatDist:
-        _check_range(self.low, self.high, self.log, self.step)
+    def _range(self) -> Self:
+        _check_range(self.low, self.high, self.log, self.grid_step())
         return self
 
-    def suggest(self, trial: optuna.Trial, name: str) -> float:
-        return trial.suggest_float(name, self.low, self.high, log=self.log, step=self.step)
+    def grid_step(self) -> float | None:
+        """The spacing of a grid over the range, None for a continuous one."""
+        raise NotImplementedError
 
     def corners(self) -> list[Scalar]:
         return [self.low, self.high]
 
 
-class IntDist(_Dist):
+class FloatDist(_RangeDist):
+    """A real number in [low, high]; ``log``: uniform in log space; ``step``: a grid."""
+
+    kind: Literal["float"]
+    step: float | None = Field(default=None, gt=0)
+
+    def grid_step(self) -> float | None:
+        return self.step
+
+    def suggest(self, trial: optuna.Trial, name: str) -> float:
+        return trial.suggest_float(name, self.low, self.high, log=self.log, step=self.step)
+
+
+class IntDist(_RangeDist):
     """An integer in [low, high] (both included)."""
 
     kind: Literal["int"]
     low: int
     high: int
-    log: bool = False
     step: int = Field(default=1, ge=1)
 
-    @model_validator(mode="after")
-    def _range(self) -> IntDist:
-        _check_range(self.low, self.high, self.log, None if self.step == 1 else self.step)
-        return self
+    def grid_step(self) -> float | None:
+        return None if self.step == 1 else self.step
 
     def suggest(self, trial: optuna.Trial, name: str) -> int:
         return trial.suggest_int(name, self.low, self.high, log=self.log, step=self.step)
-
-    def corners(self) -> list[Scalar]:
-        return [self.low, self.high]
 
 
 class CategoricalDist(_Dist):

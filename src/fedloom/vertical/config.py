@@ -179,8 +179,6 @@ class VerticalRunConfig(_Strict):
                 "{name: ftl, protocol: secret_sharing}, or kind paillier / none"
             )
         if isinstance(algo, FTLConfig):
-            if "every" in self.checkpoint.model_fields_set and self.checkpoint.every:
-                raise ValueError("checkpoint.every: ftl runs do not checkpoint (set it to null)")
             if algo.protocol == "secret_sharing" and kind == "paillier":
                 raise ValueError(
                     "ftl with protocol secret_sharing uses no Paillier key: set "

@@ -17,7 +17,7 @@ from fedloom.core.rng import generator
 from fedloom.vertical.ftl_he import AHEProtocol, SourceParty, TargetParty
 from fedloom.vertical.ftl_model import Alignment, FTLParams, phi_source, represent
 from fedloom.vertical.he import new_key
-from fedloom.vertical.linear_model import check_finite
+from fedloom.vertical.linear_model import iterate
 from fedloom.vertical.messages import Channel
 
 SOURCE, TARGET = "source", "target"
@@ -88,7 +88,10 @@ class FederatedTransfer:
         *,
         init: tuple[np.ndarray, np.ndarray] | None = None,
         callback: Callable[[int, Any], None] | None = None,
+        resume: dict[str, Any] | None = None,
     ) -> FederatedTransfer:
+        """Train on both parties' rows; ``resume``: a :meth:`state_dict` to continue from (the
+        same data and settings)."""
         x_a, x_b = np.asarray(x_a, np.float64), np.asarray(x_b, np.float64)
         y = np.asarray(y_a, dtype=np.float64)
         if not np.all(np.isin(y, (-1.0, 0.0, 1.0))):
@@ -136,15 +139,37 @@ class FederatedTransfer:
             )
             self.protocol_ = AHEProtocol(a, b, leaky_fast=self.leaky_fast)
         self.loss_history_ = []
-        for t in range(self.iterations):
-            channel.round = t
-            with np.errstate(over="ignore", invalid="ignore"):
-                loss = self.protocol_.iteration()
-            check_finite(loss, t, "standardise the features or lower lr")
-            self.loss_history_.append(loss)
-            if callback is not None:
-                callback(t, self)
+        if resume is not None:
+            self._load_state_dict(resume)
+        iterate(self, channel, lambda t: self.protocol_.iteration(), callback)
         return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state after the iterations done so far (docs/vertical.md, Checkpoints and
+        resume): both parties' weights and last gradients, the loss history, the channel's
+        records and, for secret sharing, the dealer's random stream. Keys are never saved: a
+        resumed Paillier run generates fresh ones."""
+        protocol = self.protocol_
+        shares = getattr(protocol, "ss", None)  # the secret-sharing engine
+        return {
+            "loss_history": list(self.loss_history_),
+            "w": [protocol.a.w.copy(), protocol.b.w.copy()],
+            "last_gradient": [protocol.a.last_gradient, protocol.b.last_gradient],
+            "channel": self.channel_.state_dict(),
+            "dealer": shares.dealer.rng.bit_generator.state if shares is not None else None,
+        }
+
+    def _load_state_dict(self, saved: dict[str, Any]) -> None:
+        protocol = self.protocol_
+        self.loss_history_ = [float(x) for x in saved["loss_history"]]
+        for party, w, grad in zip(
+            (protocol.a, protocol.b), saved["w"], saved["last_gradient"], strict=True
+        ):
+            party.w = np.array(w)
+            party.last_gradient = None if grad is None else np.array(grad)
+        self.channel_.load_state_dict(saved["channel"])
+        if saved.get("dealer") is not None:
+            protocol.ss.dealer.rng.bit_generator.state = saved["dealer"]
 
     @property
     def weights_(self) -> tuple[np.ndarray, np.ndarray]:

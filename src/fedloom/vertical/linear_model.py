@@ -142,6 +142,25 @@ def check_finite(loss: float, iteration: int, hint: str) -> None:
         raise DivergedError(f"the loss is {loss} at iteration {iteration}: {hint}")
 
 
+def iterate(
+    model: Any,
+    channel: Channel,
+    iteration: Callable[[int], float],
+    callback: IterationCallback | None,
+) -> None:
+    """The iterations of a gradient-descent protocol from where ``model.loss_history_`` left
+    off (a resumed fit continues) up to ``model.iterations``: each under its round on the
+    channel, its loss checked finite and recorded, then ``callback(t, model)``."""
+    for t in range(len(model.loss_history_), model.iterations):
+        channel.round = t
+        with np.errstate(over="ignore", invalid="ignore"):
+            loss = iteration(t)
+        check_finite(loss, t, "standardise the features or lower lr")
+        model.loss_history_.append(loss)
+        if callback is not None:
+            callback(t, model)
+
+
 class _VerticalGLM:
     """Shared estimator: parties' blocks guest first (``[X_B, X_A]``: B holds the labels and
     the intercept), ``fit`` returns self. ``encrypt=False`` runs the plaintext path."""
@@ -233,17 +252,14 @@ class _VerticalGLM:
         self.loss_history_ = []
         if resume is not None:
             self._load_state_dict(resume)
-        for t in range(len(self.loss_history_), self.iterations):
-            channel.round = t
+
+        def iteration(t: int) -> float:
             rows = self._batch(t, n, s)
             if s < n:
                 b.send(a, "batch_ids", rows, stage="batch")
-            with np.errstate(over="ignore", invalid="ignore"):
-                loss = self.protocol_.iteration(rows)
-            check_finite(loss, t, "standardise the features or lower lr")
-            self.loss_history_.append(loss)
-            if callback is not None:
-                callback(t, self)
+            return self.protocol_.iteration(rows)
+
+        iterate(self, channel, iteration, callback)
         return self
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,15 +14,16 @@ sent, ``bytes_down`` what the active side (guest, coordinator, FTL's source, the
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+from pydantic import BaseModel
 
-from fedloom.config import CheckpointConfig
 from fedloom.engine.loop import RunResult
 from fedloom.engine.shell import RunShell, base_summary
 from fedloom.vertical.config import (
@@ -39,6 +40,7 @@ from fedloom.vertical.messages import Channel
 DEFAULT_FTL_ROWS = ([0, 400], [200, 569])
 DEFAULT_FTL_LABELLED = [200, 300]
 PASSIVE = ("host:", "target")
+T = TypeVar("T")
 
 
 def binary_metrics(scores: np.ndarray, y: np.ndarray, prob: np.ndarray) -> dict[str, float]:
@@ -126,7 +128,7 @@ def run_vertical(
     if saved is not None:
         recorder.eval_seconds = float(saved["eval_seconds"])
     if isinstance(algo, FTLConfig):
-        model, extra = _run_ftl(cfg, algo, recorder)
+        model, extra = _run_ftl(cfg, algo, recorder, saved and saved["model"])
     else:
         if data is None:
             data = load_vertical(
@@ -173,12 +175,10 @@ def run_vertical(
 
 
 def _shell_args(cfg: VerticalRunConfig) -> dict[str, Any]:
-    """The run shell's timing: iterations (trees), ``eval.every`` and ``checkpoint:`` (none
-    for ftl, whose models have no saved state yet)."""
+    """The run shell's timing: iterations (trees), ``eval.every`` and ``checkpoint:``."""
     algo = cfg.algorithm
     rounds = algo.n_trees if isinstance(algo, SecureBoostConfig) else algo.iterations
-    policy = CheckpointConfig(every=None) if isinstance(algo, FTLConfig) else cfg.checkpoint
-    return {"rounds": rounds, "eval_every": cfg.eval.every, "checkpoint": policy}
+    return {"rounds": rounds, "eval_every": cfg.eval.every, "checkpoint": cfg.checkpoint}
 
 
 def _run_vertical(
@@ -190,40 +190,14 @@ def _run_vertical(
 ) -> tuple[Any, dict[str, Any]]:
     from fedloom.vertical import SecureBoost, VerticalLinear, VerticalLogistic
 
-    sec = cfg.secure_aggregation
-    encrypt = sec.kind == "paillier"
     binary = data.task == "binary"
     if isinstance(algo, SecureBoostConfig):
-        model: Any = SecureBoost(
-            algo.n_trees,
-            algo.max_depth,
-            algo.eta,
-            algo.max_bin,
-            algo.reg_lambda,
-            algo.gamma,
-            algo.min_child_weight,
-            algo.base_score,
-            objective="binary:logistic" if binary else "reg:squarederror",
-            encrypt=encrypt,
-            key_bits=sec.key_bits,
-            packing=algo.packing,
-            seed=cfg.seed,
-        )
+        objective = "binary:logistic" if binary else "reg:squarederror"
+        model: Any = _estimator(SecureBoost, algo, cfg, objective=objective)
     else:
         cls = VerticalLogistic if isinstance(algo, VerticalLogisticConfig) else VerticalLinear
         assert isinstance(algo, VerticalLinearConfig)
-        model = cls(
-            algo.lr,
-            algo.reg_lambda,
-            algo.iterations,
-            batch_size=algo.batch_size,
-            protocol=algo.protocol,
-            encrypt=encrypt,
-            key_bits=sec.key_bits,
-            frac_bits=sec.frac_bits,
-            fit_intercept=algo.fit_intercept,
-            seed=cfg.seed,
-        )
+        model = _estimator(cls, algo, cfg)
 
     def evaluate() -> dict[str, float]:
         if isinstance(model, SecureBoost):
@@ -250,6 +224,20 @@ def _run_vertical(
     return model, extra
 
 
+def _estimator(
+    cls: Callable[..., T], algo: BaseModel, cfg: VerticalRunConfig, **settings: Any
+) -> T:
+    """``cls`` built from the fields of the algorithm and secure-aggregation sections that its
+    constructor takes (same names), ``encrypt`` (Paillier), the run's seed, and ``settings``
+    over them."""
+    accepted = inspect.signature(cls).parameters
+    sec = cfg.secure_aggregation
+    kwargs = {k: v for section in (algo, sec) for k, v in section if k in accepted}
+    kwargs.update(encrypt=sec.kind == "paillier", seed=cfg.seed)
+    kwargs.update(settings)
+    return cls(**kwargs)
+
+
 def _train_loss(margin: np.ndarray, y: np.ndarray, binary: bool) -> float:
     m = margin.astype(np.float64)
     if binary:
@@ -258,7 +246,7 @@ def _train_loss(margin: np.ndarray, y: np.ndarray, binary: bool) -> float:
 
 
 def _run_ftl(
-    cfg: VerticalRunConfig, algo: FTLConfig, recorder: _Recorder
+    cfg: VerticalRunConfig, algo: FTLConfig, recorder: _Recorder, saved: dict[str, Any] | None
 ) -> tuple[Any, dict[str, Any]]:
     from fedloom.vertical import FederatedTransfer
 
@@ -276,20 +264,8 @@ def _run_ftl(
         cfg.seed,
         scale_on=cfg.data.scale_on,
     )
-    sec = cfg.secure_aggregation
-    model = FederatedTransfer(
-        algo.hidden,
-        algo.gamma,
-        algo.reg_lambda,
-        algo.lr,
-        algo.iterations,
-        protocol="secret_sharing" if sec.kind == "secret_sharing" else "ahe",
-        encrypt=sec.kind == "paillier",
-        key_bits=sec.key_bits,
-        frac_bits=sec.frac_bits,
-        leaky_fast=algo.leaky_fast,
-        seed=cfg.seed,
-    )
+    protocol = "secret_sharing" if cfg.secure_aggregation.kind == "secret_sharing" else "ahe"
+    model = _estimator(FederatedTransfer, algo, cfg, protocol=protocol)
 
     def evaluate() -> dict[str, float]:
         scores = model.decision_function(td.x_test)
@@ -302,6 +278,7 @@ def _run_ftl(
         (td.overlap_a, td.overlap_b),
         td.labelled,
         callback=lambda t, m: recorder(t, m, m.loss_history_[-1], evaluate),
+        resume=saved,
     )
     extra = {"task": "binary", "overlap": len(td.overlap_a), "labelled": len(td.labelled)}
     return model, extra

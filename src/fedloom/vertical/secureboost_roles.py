@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -34,32 +34,38 @@ from fedloom.vertical.messages import Channel, Party
 from fedloom.vertical.tree import Candidate, TreeParams, best_candidate, scan_features
 
 
+class _IdsMessage:
+    """A message of two integers and an array of instance ids (the field ``ids_field``); on
+    the wire 4 bytes each."""
+
+    ids_field: ClassVar[str]
+
+    @property
+    def nbytes(self) -> int:
+        ids: np.ndarray = getattr(self, self.ids_field)
+        return 8 + int(ids.astype(np.int32).nbytes)
+
+
 @dataclass(frozen=True)
-class NodeRequest:
+class NodeRequest(_IdsMessage):
     """Guest -> host: build the histogram of node ``node_id`` (child of ``parent_id``) over
     the instances ``ids``."""
 
+    ids_field: ClassVar[str] = "ids"
     node_id: int
     parent_id: int | None
     ids: np.ndarray
 
-    @property
-    def nbytes(self) -> int:
-        return 8 + int(self.ids.astype(np.int32).nbytes)
-
 
 @dataclass(frozen=True)
-class SplitRecord:
+class SplitRecord(_IdsMessage):
     """Host -> guest: the record id the host stored, the opaque feature it chose among the
     tied candidates, and the ids going left."""
 
+    ids_field: ClassVar[str] = "left_ids"
     record_id: int
     opaque_feature: int
     left_ids: np.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        return 8 + int(self.left_ids.astype(np.int32).nbytes)
 
 
 @dataclass(frozen=True)
