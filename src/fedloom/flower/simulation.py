@@ -36,6 +36,7 @@ def run_simulation(
     client_cpus: float = 1.0,
     backend_config: dict[str, Any] | None = None,
     verbose: bool = False,
+    start_timeout: float = 900.0,
 ) -> RunResult:
     """Run ``config`` on ``flwr.simulation.run_simulation`` and return fedloom's result (the
     same summary, history and models as ``fedloom.run``; ``summary['executor']`` is
@@ -44,7 +45,10 @@ def run_simulation(
     ``num_cpus``: CPUs of the Ray runtime Flower starts (default: all); ``client_cpus``: per
     ClientApp, so ``num_cpus / client_cpus`` clients train at once. ``backend_config`` is
     Flower's (``init_args``, ``client_resources``) and overrides both. Flower shuts Ray down
-    at the end, also a Ray runtime that was running before."""
+    at the end, also a Ray runtime that was running before. ``start_timeout``: seconds the
+    server waits for the virtual nodes' first answers: they always exist here, but each starts
+    a Ray worker that imports torch and loads its data, which on a busy machine took over the
+    120 s a deployment's ``connect_timeout`` allows for SuperNodes to appear."""
     from flwr.simulation import run_simulation as flower_simulation
 
     source = ConfigSource.of(config, data, model)
@@ -56,7 +60,9 @@ def run_simulation(
     for key, value in (backend_config or {}).items():
         backend[key] = {**backend.get(key, {}), **value} if isinstance(value, dict) else value
     _warn_if_ray_is_running()
-    app = server_app(source.raw, data=data, model=model, out=out, write=write)
+    app = server_app(
+        source.raw, data=data, model=model, out=out, write=write, connect_timeout=start_timeout
+    )
     server: FedloomServer = app.fedloom_server  # type: ignore[attr-defined]
     flower_simulation(
         server_app=app,
