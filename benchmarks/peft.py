@@ -10,6 +10,8 @@ round of the sequential vs the vectorized executor (same run), and the central L
     .venv/bin/python benchmarks/peft.py                      # all, ~10 min on 2 free cores
     .venv/bin/python benchmarks/peft.py --strategies local,a,both --rounds 3
     .venv/bin/python benchmarks/peft.py --model tiny_bert --rounds 2   # smoke run
+    .venv/bin/python benchmarks/peft.py --strategies "" --skip-timing --skip-central \
+        --algorithms fedavg,ditto,fedrep --optimizers sgd:0.1,adamw:0.003,adamw:0.01
 
 Runs are written under --out (default runs/peft-bench/<strategy>), so that
 ``fedloom compare runs/peft-bench/*`` shows them side by side. Progress goes to stderr; the
@@ -82,6 +84,23 @@ def config(
     }
 
 
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "fedavg": {"name": "fedavg"},
+    "ditto": {"name": "ditto"},  # mu 0.1, personal steps = the global update's
+    "fedrep": {"name": "fedrep", "head_epochs": 1},  # 1 head epoch (paper: 10; 10x the cost)
+}
+
+
+def algorithm_config(
+    model: str, algorithm: str, optimizer: str, lr: float, rounds: int, max_length: int
+) -> dict[str, Any]:
+    """FedSA-LoRA (share a) under ``algorithm`` with the local ``optimizer`` at ``lr``."""
+    cfg = config(model, "a", rounds, lr, "sequential", max_length)
+    cfg["algorithm"] = dict(ALGORITHMS[algorithm])
+    cfg["train"]["optimizer"] = optimizer
+    return cfg
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -103,6 +122,10 @@ def main() -> None:
     ap.add_argument("--timing-repeats", type=int, default=1)
     ap.add_argument("--out", default="runs/peft-bench")
     ap.add_argument("--skip-central", action="store_true")
+    ap.add_argument(
+        "--algorithms", default="", help="FedSA under these algorithms, e.g. fedavg,ditto,fedrep"
+    )
+    ap.add_argument("--optimizers", default="sgd:0.1,adamw:0.003", help="optimizer:lr,...")
     ap.add_argument("--skip-timing", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -137,6 +160,21 @@ def main() -> None:
             f"{row['bytes_down_per_round']:>11.0f} {row['seconds_per_round']:>8.2f}",
             flush=True,
         )
+    for name in filter(None, args.algorithms.split(",")):
+        for spec in args.optimizers.split(","):
+            optimizer, lr = spec.split(":")
+            log(f"[peft] FedSA + {name}, {optimizer} lr {lr} ...")
+            cfg = algorithm_config(
+                args.model, name, optimizer, float(lr), args.rounds, args.max_length
+            )
+            res = run(cfg, out / f"a-{name}-{optimizer}-{lr}")
+            acc = [round(h["personalized"]["accuracy_mean"], 3) for h in res.history]
+            key = f"a/{name}/{optimizer}/{lr}"
+            results.setdefault("algorithms", {})[key] = {
+                "personalized_accuracy": acc,
+                "seconds_per_round": round(res.summary["seconds_per_round"], 2),
+            }
+            print(f"FedSA + {name:<7} {optimizer:<6} lr {lr:<7} {acc!s}", flush=True)
     if not args.skip_timing:  # one strategy on both executors; interleaved against drift
         seconds: dict[str, list[float]] = {"sequential": [], "vectorized": []}
         for _ in range(args.timing_repeats):

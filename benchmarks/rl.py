@@ -3,13 +3,20 @@
 - HFRL: PAvg, personalized PAvg and local REINFORCE agents on CartPole (4 agents, half-lengths
   0.25/0.5/1.0/1.5, 16 environments each; PAvg every 5 iterations), greedy return per training
   and unseen length after 60 and 100 iterations, per seed.
-- QAvg vs local DQN agents in the same setting (2,000 iterations, averaging every 10).
+- QAvg vs local DQN agents in the same setting (2,000 iterations, averaging every 10), with
+  DQN and Double DQN (van Hasselt et al. 2016) targets.
+- PPO: PAvg with PPO agents (CleanRL's ppo.py defaults, 4 environments per agent) and local
+  PPO agents vs PAvg with REINFORCE, greedy return on the training and unseen lengths, per
+  seed, with the environment steps each used.
 - VFRL: vertical federated DQN (sigma 0 and 0.1) vs the Q-party alone vs centralized DQN (32
   environments, 3,000 iterations), greedy return every 500 iterations, per seed.
 - Speed: CartPole environment steps per second, the torch-batched CartPole (N environments in
   one call) vs Gymnasium's CartPole-v1 one environment at a time.
 
-    .venv/bin/python benchmarks/rl.py [--seeds 0 1 2] [--skip speed hfrl qavg vfrl] [--out FILE]
+    .venv/bin/python benchmarks/rl.py [--seeds 0 1 2] [--skip speed hfrl qavg ppo vfrl]
+        [--qavg-variants qavg local_dqn qavg_double local_dqn_double qavg_local_target
+         qavg_double_local_target] [--qavg-every 10] [--qavg-lengths 0.5 0.5 0.5 0.5]
+        [--ppo-algorithms pavg pavg_ppo local_ppo] [--ppo-iterations 200] [--out FILE]
 
 Prints Markdown tables (and, with ``--out``, writes the results as JSON).
 """
@@ -50,24 +57,72 @@ def hfrl(seed: int, algorithm: str) -> dict:
     }
 
 
-def qavg(seed: int, algorithm: str) -> dict:
-    """QAvg vs local DQN agents in the HFRL setting (MLP 4-64-64-2, 2,000 iterations,
-    averaging every 10)."""
-    cfg = {
-        "seed": seed,
-        "data": {"name": "cartpole", "num_clients": 4, "envs_per_client": 16},
-        "model": {"hidden": [64, 64]},
-        "algorithm": {"name": algorithm},
-        "train": {"rounds": 200, "local_steps": 10},
-        "eval": {"every": 200, "episodes": 20},
-    }
+def _final(cfg: dict) -> dict:
+    """One run's final greedy returns (training and unseen means), environment steps per agent
+    and seconds; printed as one line when it ends (long sections)."""
     t = time.perf_counter()
-    final = run_rl(cfg, write=False).summary["final"]
-    return {
+    summary = run_rl(cfg, write=False).summary
+    final = summary["final"]
+    out = {
         "seconds": time.perf_counter() - t,
         "train_mean": final["return_train_mean"],
         "unseen_mean": final["return_unseen_mean"],
+        "returns": final["returns"],
+        "env_steps_per_agent": summary["rl"]["env_steps"] // cfg["data"]["num_clients"],
     }
+    name = " ".join(f"{k}={v}" for k, v in cfg["algorithm"].items())
+    print(f"# {name} seed {cfg['seed']}: {json.dumps(out)}", flush=True)
+    return out
+
+
+QAVG_VARIANTS = {
+    "qavg": {"name": "qavg"},
+    "local_dqn": {"name": "local_dqn"},
+    "qavg_double": {"name": "qavg", "double": True},
+    "local_dqn_double": {"name": "local_dqn", "double": True},
+    "qavg_local_target": {"name": "qavg", "global_target": False},
+    "qavg_double_local_target": {"name": "qavg", "double": True, "global_target": False},
+}
+
+
+def qavg(seed: int, variant: str, local_steps: int = 10, lengths: list | None = None) -> dict:
+    """QAvg vs local DQN agents in the HFRL setting (MLP 4-64-64-2, 2,000 iterations,
+    averaging every ``local_steps``; ``lengths``: the agents' half-lengths, default
+    0.25/0.5/1.0/1.5)."""
+    data = {"name": "cartpole", "num_clients": 4, "envs_per_client": 16}
+    if lengths:
+        data["cartpole"] = {"lengths": lengths}
+    return _final(
+        {
+            "seed": seed,
+            "data": data,
+            "model": {"hidden": [64, 64]},
+            "algorithm": QAVG_VARIANTS[variant],
+            "train": {"rounds": 2000 // local_steps, "local_steps": local_steps},
+            "eval": {"every": 2000 // local_steps, "episodes": 20},
+        }
+    )
+
+
+def ppo(seed: int, algorithm: str, iterations: int) -> dict:
+    """PAvg with REINFORCE (``pavg``: the HFRL setting, 16 environments per agent, 4-32-2 tanh,
+    Adam 1e-2) or with PPO (``pavg_ppo``, ``local_ppo``: CleanRL's ppo.py defaults, 4
+    environments per agent, 64-64 tanh actor and critic), averaging every 5 iterations."""
+    reinforce = algorithm == "pavg"
+    return _final(
+        {
+            "seed": seed,
+            "data": {
+                "name": "cartpole",
+                "num_clients": 4,
+                "envs_per_client": 16 if reinforce else 4,
+            },
+            "model": {"hidden": [32] if reinforce else [64, 64]},
+            "algorithm": {"name": algorithm},
+            "train": {"rounds": iterations // 5, "local_steps": 5},
+            "eval": {"every": iterations // 5, "episodes": 20},
+        }
+    )
 
 
 def vfrl(seed: int, mode: str, noise: float = 0.0) -> dict:
@@ -115,10 +170,28 @@ def speed(steps: int = 2000) -> dict:
     return out
 
 
+def _table(by_method: dict) -> None:
+    print("| method | seed | training lengths | unseen lengths | env steps per agent | s |")
+    print("|---|---|---:|---:|---:|---:|")
+    for a, by_seed in by_method.items():
+        for s, r in by_seed.items():
+            row = f"| {a} | {s} | {r['train_mean']:.0f} | {r['unseen_mean']:.0f}"
+            print(f"{row} | {r['env_steps_per_agent']:,} | {r['seconds']:.0f} |")
+        means = [r["train_mean"] for r in by_seed.values()]
+        print(f"| {a} | mean | {statistics.mean(means):.0f} | | | |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--skip", nargs="*", default=[])
+    p.add_argument("--qavg-variants", nargs="+", default=list(QAVG_VARIANTS))
+    p.add_argument("--qavg-every", type=int, default=10, help="QAvg's E (local iterations)")
+    p.add_argument(
+        "--qavg-lengths", type=float, nargs="+", default=None, help="e.g. 0.5 0.5 0.5 0.5"
+    )
+    p.add_argument("--ppo-algorithms", nargs="+", default=["pavg", "pavg_ppo", "local_ppo"])
+    p.add_argument("--ppo-iterations", type=int, default=200, help="PPO runs' iterations")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -144,13 +217,19 @@ def main() -> None:
                     cells = " | ".join(f"{v:.0f}" for v in vals)
                     print(f"| {a} | {s} | {cells} | {r['mean'][it]:.0f} | {r['seconds']:.0f} |")
     if "qavg" not in args.skip:
-        res["qavg"] = {a: {s: qavg(s, a) for s in args.seeds} for a in ("qavg", "local_dqn")}
+        res["qavg"] = {
+            a: {s: qavg(s, a, args.qavg_every, args.qavg_lengths) for s in args.seeds}
+            for a in args.qavg_variants
+        }
         print("\n**QAvg vs local DQN** (2,000 iterations; greedy return, mean over lengths)\n")
-        print("| method | seed | training lengths | unseen lengths | s |\n|---|---|---:|---:|---:|")
-        for a, by_seed in res["qavg"].items():
-            for s, r in by_seed.items():
-                row = f"| {a} | {s} | {r['train_mean']:.0f} | {r['unseen_mean']:.0f}"
-                print(f"{row} | {r['seconds']:.0f} |")
+        _table(res["qavg"])
+    if "ppo" not in args.skip:
+        res["ppo"] = {
+            a: {s: ppo(s, a, 100 if a == "pavg" else args.ppo_iterations) for s in args.seeds}
+            for a in args.ppo_algorithms
+        }
+        print("\n**PPO vs REINFORCE** (greedy return, mean over lengths)\n")
+        _table(res["ppo"])
     if "vfrl" not in args.skip:
         runs = {
             "vertical": ("vertical", 0.0),

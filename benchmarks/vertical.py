@@ -1,6 +1,6 @@
 """Vertical and transfer FL: the numbers issue #16 asks for in its closing note.
 
-    python benchmarks/vertical.py [--sections secureboost,timing,linear,ftl] [--quick]
+    python benchmarks/vertical.py [--sections secureboost,timing,multiclass,linear,ftl] [--quick]
 
 - ``secureboost``: the plaintext path vs ``xgboost.train`` (same cuts, base_score = mean label,
   breast_cancer's stratified 70/30 train split with random_state 0, unscaled, guest = cols
@@ -11,6 +11,15 @@
   rows, 20 host features), 1024 and 2048 bits, with and without GH packing + compression.
   1024 bits: mean of 2 trees; 2048 bits: 1 tree (the table says so). ``--quick`` skips 2048
   unpacked (about 2 minutes alone).
+- ``multiclass``: issue #28's additions against ``xgboost.train`` (same cuts, base_score
+  given): ``multi:softprob`` on wine (3 classes; guest = cols 0-4, hosts 5-8 and 9-12) and
+  digits (10 classes; guest = cols 0-31, host 32-63), stratified 70/30 with random_state 0;
+  missing values: breast_cancer's split with 20% of the entries NaN (``default_rng(0)``, as in
+  tests/vertical/test_secureboost_missing.py), binary and on wine (multi-class); the
+  encrypted path (1024 bits) vs the plaintext one for both; and seconds per encrypted tree at
+  2048 bits with GH packing: wine, one round (3 trees, 124 rows, two hosts of 4 features,
+  depth 3, max_bin 32) and breast_cancer with missing values (1 tree, 398 rows, 20 host
+  features, depth 3, max_bin 32).
 - ``linear``: secure linear (diabetes) and logistic (breast_cancer) regression, data as in
   tests/vertical/conftest.py: encrypted (1024 bits, 5 iterations, three- and two-party) vs the
   plaintext path vs centralised gradient descent (max |Θ| difference), seconds per iteration;
@@ -35,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 import xgboost as xgb
-from sklearn.datasets import load_breast_cancer, load_diabetes
+from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits, load_wine
 from sklearn.linear_model import LinearRegression, LogisticRegression
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
@@ -143,9 +152,113 @@ def structure(model: SecureBoost) -> list[tuple]:
             if n.is_leaf:
                 out.append(("leaf", n.value))
             elif n.party == 0:
-                out.append((0, n.feature, n.threshold))
+                out.append((0, n.feature, n.threshold, n.default_left))
             else:
                 out.append((n.party, *model.hosts_[n.party - 1].lookup[n.record_id]))
+    return out
+
+
+WINE_COLUMNS = ((0, 5), (5, 9), (9, 13))
+
+
+def _blocks(x: np.ndarray, columns) -> list[np.ndarray]:
+    return [x[:, a:b] for a, b in columns]
+
+
+def _blank(x: np.ndarray, rng: np.random.Generator, fraction: float = 0.2) -> np.ndarray:
+    return np.where(rng.random(x.shape) < fraction, np.nan, x)
+
+
+def multiclass_and_missing() -> dict[str, Any]:
+    """Multi-class and missing values vs xgboost.train; encrypted vs plaintext; 2048-bit
+    seconds per tree (module docstring, ``multiclass``)."""
+    rng = np.random.default_rng(0)
+    x_tr, x_te, y_tr, y_te = breast_split()
+    breast_missing = (_blank(x_tr, rng), _blank(x_te, rng), y_tr, y_te, ((0, G), (G, 30)))
+    wine = (*train_test_split(*load_wine(return_X_y=True), test_size=0.3, random_state=0,
+                              stratify=load_wine(return_X_y=True)[1]), WINE_COLUMNS)  # fmt: skip
+    digits_xy = load_digits(return_X_y=True)
+    digits = (*train_test_split(*digits_xy, test_size=0.3, random_state=0,
+                                stratify=digits_xy[1]), ((0, 32), (32, 64)))  # fmt: skip
+    rng = np.random.default_rng(1)
+    wine_missing = (_blank(wine[0], rng), _blank(wine[1], rng), *wine[2:])
+    cases = [("wine, 3 classes", wine, 0.5, 3), ("digits, 10 classes", digits, 0.5, 10),
+             ("breast_cancer, 20% missing", breast_missing, None, None),
+             ("wine, 3 classes, 20% missing", wine_missing, 0.5, 3)]  # fmt: skip
+    rows, out = [], {"xgboost": [], "encrypted": [], "timing": []}
+    for name, (a, b, ya, _, cols), base, k in cases:
+        for max_bin, depth, trees in ((32, 3, 10), (256, 6, 20)):
+            kw = {"objective": "multi:softprob", "num_class": k} if k else {}
+            score = base if base is not None else float(np.mean(ya))
+            model = SecureBoost(trees, depth, 0.3, max_bin, base_score=score, **kw)
+            model.fit(_blocks(a, cols), ya)
+            params = {
+                "tree_method": "hist", "objective": kw.get("objective", "binary:logistic"),
+                "max_bin": max_bin, "max_depth": depth, "eta": 0.3, "lambda": 1.0,
+                "alpha": 0.0, "min_child_weight": 1.0, "base_score": score, "nthread": 1,
+            }  # fmt: skip
+            if k:
+                params["num_class"] = k
+            bst = xgb.train(params, xgb.DMatrix(a, label=ya), trees)
+            diffs = [
+                float(np.max(np.abs(model.predict_margin(_blocks(x, cols))
+                                    - bst.predict(xgb.DMatrix(x), output_margin=True))))
+                for x in (a, b)
+            ]  # fmt: skip
+            leaves = [t.n_leaves for t in model.trees_] == [
+                d.count("leaf=") for d in bst.get_dump()
+            ]
+            setting = f"{name}; max_bin {max_bin}, depth {depth}, {trees} rounds"
+            rows.append([setting, diffs[0], diffs[1], "yes" if leaves else "NO"])
+            out["xgboost"].append({"setting": setting, "train": diffs[0], "test": diffs[1],
+                                   "leaf_counts_equal": leaves})  # fmt: skip
+    table(
+        "SecureBoost multi-class and missing values vs xgboost.train (same cuts)",
+        ["setting", "max |margin diff| train", "max |margin diff| test", "leaf counts equal"],
+        rows,
+    )
+    rows = []
+    enc_cases = [("wine, 3 classes, 1 round", wine, {"objective": "multi:softprob",
+                                                     "num_class": 3, "base_score": 0.5}),
+                 ("breast_cancer, 20% missing, 2 trees", breast_missing,
+                  {"n_trees": 2, "base_score": float(np.mean(y_tr))})]  # fmt: skip
+    for name, (a, b, ya, _, cols), kw in enc_cases:
+        kw = {"n_trees": 1, "max_depth": 3, "max_bin": 16, **kw}
+        plain = SecureBoost(**kw).fit(_blocks(a, cols), ya)
+        enc = SecureBoost(**kw, encrypt=True, key_bits=1024).fit(_blocks(a, cols), ya)
+        same = structure(enc) == structure(plain)
+        diff = float(np.max(np.abs(enc.predict_margin(_blocks(b, cols))
+                                   - plain.predict_margin(_blocks(b, cols)))))  # fmt: skip
+        rows.append([name, "yes" if same else "NO", diff])
+        out["encrypted"].append({"setting": name, "identical_trees": same,
+                                 "max_margin_diff": diff})  # fmt: skip
+    table(
+        "Encrypted (1024 bits, packed, depth 3, max_bin 16) vs plaintext path",
+        ["setting", "identical trees", "max |margin diff| test"],
+        rows,
+    )
+    rows = []
+    timed = [("wine, 3 classes, 1 round = 3 trees, 124 rows, hosts 4 + 4 features", wine,
+              {"objective": "multi:softprob", "num_class": 3, "base_score": 0.5}, 3),
+             ("breast_cancer, 20% missing, 1 tree, 398 rows, 20 host features", breast_missing,
+              {"base_score": float(np.mean(y_tr))}, 1)]  # fmt: skip
+    for name, (a, _, ya, _, cols), kw, trees in timed:
+        model = SecureBoost(1, 3, 0.3, 32, encrypt=True, key_bits=2048, **kw)
+        start = time.perf_counter()
+        model.fit(_blocks(a, cols), ya)
+        per_tree = (time.perf_counter() - start) / trees
+        crypto = model.channel_.crypto_seconds / trees
+        sent = sum(v["sent"] for v in model.channel_.bytes_by_party().values()) / trees
+        rows.append([name, per_tree, crypto, sent / 1e6])
+        out["timing"].append(
+            {"setting": name, "seconds_per_tree": per_tree, "crypto_seconds_per_tree": crypto,
+             "mb_per_tree": sent / 1e6}
+        )  # fmt: skip
+    table(
+        "SecureBoost encrypted at 2048 bits, GH packing + compression (depth 3, max_bin 32)",
+        ["setting", "s per tree", "crypto s per tree", "MB per tree"],
+        rows,
+    )
     return out
 
 
@@ -318,7 +431,7 @@ def ftl() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="secureboost,timing,linear,ftl")
+    parser.add_argument("--sections", default="secureboost,timing,multiclass,linear,ftl")
     parser.add_argument("--quick", action="store_true", help="skip 2048-bit unpacked timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -328,6 +441,8 @@ def main() -> None:
         results["secureboost"] = secureboost_exactness()
     if "timing" in sections:
         results["timing"] = secureboost_timing(args.quick)
+    if "multiclass" in sections:
+        results["multiclass"] = multiclass_and_missing()
     if "linear" in sections:
         results["linear"] = linear_models()
     if "ftl" in sections:

@@ -16,9 +16,10 @@ from fedloom.data import FederatedData, load_dataset, resolve_data_config
 from fedloom.engine.callbacks import Callback
 from fedloom.engine.executor import Executor
 from fedloom.engine.loop import Engine, RunResult
-from fedloom.engine.rundir import RunDir, default_run_dir
+from fedloom.engine.rundir import RunDir, default_run_dir, differing_keys
 from fedloom.errors import ConfigError, RunDirError
-from fedloom.models import MODELS, build_model
+from fedloom.models import MODELS
+from fedloom.peft import build_run_model
 
 
 def _save_inputs(run_dir: RunDir, config: RunConfig, data: FederatedData) -> None:
@@ -46,22 +47,12 @@ def _check_resume(run_dir: RunDir, config: RunConfig | None) -> RunConfig:
     if config is not None:
         config = resolve_defaults(config)
     if config is not None and config.to_dict() != saved.to_dict():
-        a, b = saved.to_dict(), config.to_dict()
-        diff = sorted(_diff_keys(a, b))
+        diff = differing_keys(saved.to_dict(), config.to_dict())
         raise RunDirError(
             f"cannot resume {run_dir.path}: its config.yaml differs from the given config at "
             f"{', '.join(diff)}; resume without a config, or start a new run"
         )
     return saved
-
-
-def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out: list[str] = []
-        for k in sorted(set(a) | set(b)):
-            out += _diff_keys(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [] if a == b else [prefix.rstrip(".")]
 
 
 RUN_KINDS = ("horizontal", "rl", "vertical")
@@ -103,6 +94,7 @@ def run(
     model: nn.Module | None = None,
     out: str | Path | None = None,
     resume: str | Path | None = None,
+    accept_config_change: bool = False,
     progress: bool | None = None,
     write: bool = True,
     executor: Callable[[FunctionalModel], Executor] | None = None,
@@ -113,9 +105,11 @@ def run(
     ``config`` is a path, a dict or a RunConfig (None: the embedded default). ``data`` and
     ``model`` replace the configured dataset and model. ``out`` is the run directory (default
     ``runs/<algorithm>-<dataset>-<time>``); ``resume`` continues a run directory from its last
-    checkpoint; ``write=False`` keeps everything in memory. ``executor(model)`` makes the
-    executor instead of the config (the Flower adapter's, which sends clients' work to nodes).
-    ``callbacks`` run around the round loop (engine/callbacks.py; ``fedloom tune``'s reporter).
+    checkpoint, refusing one whose config.yaml changed since that checkpoint was written unless
+    ``accept_config_change``; ``write=False`` keeps everything in memory. ``executor(model)``
+    makes the executor instead of the config (the Flower adapter's, which sends clients' work
+    to nodes). ``callbacks`` run around the round loop (engine/callbacks.py; ``fedloom
+    tune``'s reporter).
     """
     saved = Path(resume) / "config.yaml" if resume is not None else None
     kind = run_kind(config if saved is None else saved if saved.is_file() else None)
@@ -124,32 +118,44 @@ def run(
 
         if data is not None or model is not None:
             raise ConfigError("an RL run takes neither data nor model (docs/rl.md)")
-        return _with_report(run_rl(config, out=out, write=write, resume=resume))
+        return _with_report(
+            run_rl(
+                config,
+                out=out,
+                write=write,
+                resume=resume,
+                accept_config_change=accept_config_change,
+            )
+        )
     if kind == "vertical":  # vertical and transfer FL (docs/vertical.md)
         from fedloom.vertical.run import run_vertical
 
         if model is not None:
             raise ConfigError("a vertical run takes no model (docs/vertical.md)")
-        result = run_vertical(config, out=out, write=write, data=data, resume=resume)
+        result = run_vertical(
+            config,
+            out=out,
+            write=write,
+            data=data,
+            resume=resume,
+            accept_config_change=accept_config_change,
+        )
         return _with_report(result)
     run_dir: RunDir | None = None
     if resume is not None:
-        run_dir = RunDir.open_existing(resume)
+        run_dir = RunDir.open_existing(resume, accept_config_change)
         cfg = _check_resume(run_dir, None if config is None else resolve_config(config))
+        run_dir.config = cfg.to_dict()
     else:
         cfg = resolve_defaults(resolve_config(config), custom_data=data is not None)
     if model is None and cfg.peft is None:
         MODELS.get(cfg.model.name)
     if data is None:
         data = load_dataset(cfg.data, cfg.seed)
-    if model is not None:
-        module = model
-    elif cfg.peft is not None:  # a frozen pretrained transformer with PEFT (docs/peft.md)
-        from fedloom.peft import build_peft_model
-
-        module = build_peft_model(cfg, data.num_outputs)
-    else:
-        module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
+    # the config's model: with a peft section, a frozen pretrained transformer (docs/peft.md)
+    module = (
+        model if model is not None else build_run_model(cfg, data.input_shape, data.num_outputs)
+    )
     if progress is None:
         progress = sys.stderr.isatty()
     engine = Engine(  # validates first

@@ -23,6 +23,8 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Federated and personalized federated learning simulations.",
     pretty_exceptions_enable=False,
+    # help is plain text: Rich markup would read "fedloom[flower]" as a tag and drop it
+    rich_markup_mode=None,
 )
 err_console = Console(stderr=True)
 
@@ -67,11 +69,16 @@ def _echo_path(write: Callable[[], object], debug: bool) -> None:
 
 
 def _raw_config(config: Path | None, set_: list[str] | None) -> dict[str, Any]:
-    """The YAML config (or the embedded default experiment) with the ``--set`` overrides."""
-    from fedloom.config import DEFAULT_EXPERIMENT, apply_overrides, load_yaml
+    """The YAML config (or the embedded default experiment, config.default_experiment) with
+    the ``--set`` overrides."""
+    from fedloom.config import apply_overrides, default_experiment, load_yaml
+    from fedloom.rl.config import RL_ENVS
 
-    raw = load_yaml(config) if config is not None else DEFAULT_EXPERIMENT
-    return apply_overrides(raw, set_ or [])
+    if config is not None:
+        return apply_overrides(load_yaml(config), set_ or [])
+    overrides = set_ or []
+    names = [item.split("=", 1)[1].strip() for item in overrides if item.startswith("data.name=")]
+    return apply_overrides(default_experiment(names[-1] if names else None, RL_ENVS), overrides)
 
 
 @app.command()
@@ -82,23 +89,36 @@ def run(
     resume: Annotated[
         Path | None, typer.Option(help="continue RUN_DIR from its last checkpoint")
     ] = None,
+    accept_config_change: Annotated[
+        bool,
+        typer.Option(
+            help="with --resume: continue although RUN_DIR/config.yaml changed since the "
+            "checkpoint (refused by default, naming the changed key)"
+        ),
+    ] = False,
     debug: DebugOption = False,
 ) -> None:
     """Run an experiment and write its run directory (metrics, summary, report, checkpoints)."""
     from fedloom.api import run as run_api
     from fedloom.api import run_kind
-    from fedloom.config import parse_config
+    from fedloom.config import from_default, parse_config
+    from fedloom.errors import ConfigError
 
     try:
         cfg = None
         if config is not None or set_:
             raw = _raw_config(config, set_)
-            cfg = raw if run_kind(raw) != "horizontal" else parse_config(raw)
+            try:
+                cfg = raw if run_kind(raw) != "horizontal" else parse_config(raw)
+            except ConfigError as err:
+                raise (err if config is not None else from_default(err, set_ or [])) from None
         if resume is not None and out is not None:
             raise FedloomInputError(
                 "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
             )
-        result = run_api(cfg, out=out, resume=resume)
+        if accept_config_change and resume is None:
+            raise FedloomInputError("--accept-config-change goes with --resume RUN_DIR")
+        result = run_api(cfg, out=out, resume=resume, accept_config_change=accept_config_change)
     except (Exception, KeyboardInterrupt) as err:
         _fail(err, debug)
         return
@@ -220,11 +240,16 @@ def audit(
 @app.command()
 def summary(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
     """Print RUN_DIR/summary.json."""
+    from fedloom.core.files import read_json_object
+    from fedloom.errors import RunDirError
+
     path = run_dir / "summary.json"
-    if not path.is_file():
-        err_console.print(f"[bold red]error:[/] {path} not found")
-        raise typer.Exit(2)
-    typer.echo(json.dumps(json.loads(path.read_text()), indent=2))
+    try:
+        if not path.is_file():
+            raise RunDirError(f"{path} not found")
+        typer.echo(json.dumps(read_json_object(path), indent=2))
+    except RunDirError as err:
+        _fail(err, False)
 
 
 @app.command()

@@ -34,8 +34,9 @@ from pydantic import (
 from fedloom.algorithms import AlgorithmConfig, parse_algorithm_config
 from fedloom.attacks.config import AttackConfig, TriggerConfig
 from fedloom.compression.config import CompressionConfig
-from fedloom.core.settings import StrictModel
-from fedloom.core.validation import format_validation_error
+from fedloom.core.files import one_line
+from fedloom.core.settings import Seed, StrictModel
+from fedloom.core.validation import check_int64, check_plain_tree, format_validation_error
 from fedloom.errors import ConfigError
 from fedloom.incentives.config import (
     EXACT_SHAPLEY_MAX,
@@ -110,7 +111,7 @@ class RunConfig(StrictModel):
     """A horizontal run: the sections, composed. Each section checks its own keys; the rules
     between sections (``RULES``) are checked once, after all sections are parsed."""
 
-    seed: int = 0
+    seed: Seed = 0
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     algorithm: SerializeAsAny[AlgorithmConfig] = Field(
@@ -266,6 +267,20 @@ def _byzantine_error(config: RunConfig) -> str:
     )
 
 
+def _secure_group(config: RunConfig) -> int:
+    """The clients a SecAgg threshold counts: a round's (SecAgg+: a client's neighbours)."""
+    n = config.clients_per_round_nominal()
+    assert n is not None
+    neighbours = config.secure_aggregation.neighbours
+    return min(n, neighbours) if neighbours is not None else n
+
+
+def _secure_group_name(config: RunConfig) -> str:
+    if config.secure_aggregation.neighbours is not None:
+        return "neighbours of a client (secure_aggregation.neighbours, at most the round's)"
+    return "clients a round (train.clients_per_round)"
+
+
 RULES: tuple[Rule, ...] = (
     # serving: the best model is selected on the validation split, never on the test sets
     Rule(
@@ -330,6 +345,14 @@ RULES: tuple[Rule, ...] = (
         requires=Check(lambda c: 2.0 * _count_noise(c) > c.privacy.noise_multiplier),
         message=_count_noise_error,
     ),
+    # distributed DP: the clients' noised integers are summed by SecAgg / SecAgg+ only
+    Rule(
+        when=equals("privacy.kind", "distributed_dp"),
+        requires=equals("secure_aggregation.kind", "secagg", "secagg_plus"),
+        message="privacy.kind: distributed_dp sums the clients' noised integer vectors with "
+        "secure aggregation: set secure_aggregation.kind to secagg or secagg_plus (got "
+        "{secure_aggregation.kind})",
+    ),
     # secure aggregation sums the clients' model updates: the server step must average models
     Rule(
         when=SECURE,
@@ -349,6 +372,23 @@ RULES: tuple[Rule, ...] = (
         when=(equals("aggregator.kind", "krum", "multi_krum", "bulyan"), NOMINAL),
         requires=Check(lambda c: c.clients_per_round_nominal() >= _byzantine_need(c)),
         message=_byzantine_error,
+    ),
+    Rule(
+        when=(used("aggregator.m", None), NOMINAL),
+        requires=Check(lambda c: c.aggregator.m <= c.clients_per_round_nominal()),
+        message="aggregator.m: multi_krum averages m of the round's updates; {aggregator.m} "
+        "is more than the {n} clients a round (train.clients_per_round): every round would be "
+        "skipped. Use at most {n}, or null (n - f)",
+    ),
+    # secure aggregation: the survivors a round needs cannot exceed the clients it has
+    Rule(
+        when=(used("secure_aggregation.threshold", None), NOMINAL),
+        requires=Check(lambda c: c.secure_aggregation.threshold <= _secure_group(c)),
+        message=lambda c: (
+            f"secure_aggregation.threshold: {c.secure_aggregation.threshold} is more than the "
+            f"{_secure_group(c)} {_secure_group_name(c)}: every round would abort. Use at "
+            "most that, or null (a strict majority)"
+        ),
     ),
     # asynchrony folds stale models into the server step; the round-synchronous protocols
     # (DP accounting, secure aggregation, robust rules, dropout, stragglers) do not apply
@@ -453,6 +493,7 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         if raw["kind"] != "horizontal":
             raise ConfigError(f"kind: {raw['kind']!r} is not a horizontal run's config")
         raw = {k: v for k, v in raw.items() if k != "kind"}
+    check_int64(raw)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:
@@ -464,18 +505,46 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{path}: not valid YAML: {one_line(err)}") from None
+    check_plain_tree(raw, str(path))
     return raw or {}
 
 
 _SWITCHES: dict[tuple[str, ...], str] = {
     ("algorithm",): "name",
+    ("data",): "name",
     ("data", "partition"): "kind",
 }
-"""Sections whose keys belong to one choice (the algorithm, the partition kind): a ``--set``
-naming another choice than the file's starts a fresh section."""
+"""Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind): a
+``--set`` naming another choice than the file's starts a fresh section."""
+
+
+def default_experiment(dataset: str | None, rl_envs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What ``fedloom run`` without a config file starts from: ``DEFAULT_EXPERIMENT``; for
+    another ``dataset`` (``--set data.name=X``) only its algorithm and schedule (its CNN is for
+    digits' images), and for an RL environment (``rl_envs``) nothing (the RL defaults)."""
+    if dataset is None or dataset == DEFAULT_EXPERIMENT["data"]["name"]:
+        return DEFAULT_EXPERIMENT
+    if dataset in rl_envs:
+        return {}
+    return {k: v for k, v in DEFAULT_EXPERIMENT.items() if k != "model"}
+
+
+def from_default(err: Exception, overrides: list[str]) -> Exception:
+    """``err`` saying that its key came from the built-in default experiment when no
+    ``--set`` named it (a run without a config file)."""
+    key = str(err).split(":", 1)[0].strip()
+    named = {item.split("=", 1)[0].strip() for item in overrides}
+    if not isinstance(err, ConfigError) or " " in key or key in named:
+        return err
+    return ConfigError(
+        f"{err} ({key} is the built-in default experiment's, used without a config file: "
+        "set it with --set, or start from a config file such as examples/mnist.yaml)"
+    )
 
 
 _ALTERNATIVES: dict[tuple[str, ...], tuple[str, ...]] = {
@@ -492,7 +561,13 @@ def _parse_override(item: str) -> tuple[tuple[str, ...], Any]:
     keys = tuple(k for k in path.strip().split(".") if k)
     if not keys:
         raise ConfigError(f"--set {item!r}: empty key")
-    return keys, yaml.safe_load(text)
+    try:
+        value = yaml.safe_load(text)
+        check_plain_tree(value, f"--set {item!r}")
+        return keys, value
+    except yaml.YAMLError as err:
+        msg = f"--set {item!r}: the value is not a YAML scalar or list: {one_line(err)}"
+        raise ConfigError(msg) from None
 
 
 def _find_section(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any] | None:

@@ -53,7 +53,7 @@ def test_hypernetwork_serves_new_clients_better_than_fedavg(data_root):
     assert pfedhn[2] >= fedavg[2] + 0.015, (pfedhn, fedavg)  # after 5 steps: measured +0.029
 
 
-@pytest.mark.slow
+@pytest.mark.heavy(budget=120)  # 47 s on a loaded 2-core machine; tests/engine/test_cold_start.py
 def test_meta_learned_initialization_adapts_in_one_step(data_root):
     shards = {"kind": "shards", "shards_per_client": 2}
     fedavg = cold_start({"name": "fedavg"}, shards, adapt_lr=0.01)

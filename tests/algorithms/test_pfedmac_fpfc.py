@@ -453,7 +453,7 @@ def test_pfedmac_hubs_must_cover_every_client():
 # -- learning on the shared setup ---------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.heavy(budget=90)  # 27 s loaded; the closed-form pFedMac tests stay cheap
 def test_pfedmac_personalizes_on_label_shards():
     # Measured (BASE setup of pfl_setup, 20 rounds, 20 local steps): with inner_steps 2 (here,
     # to keep the test at twice FedAvg's gradient steps) personalized mean 0.902, P10 0.759,

@@ -52,7 +52,7 @@ def test_the_settings_of_the_issue(flower_baseline: Any) -> None:
     assert only.rounds == 3
 
 
-@pytest.mark.slow
+@pytest.mark.heavy(budget=90)  # a benchmark's smoke run (24 s loaded): heavy, as conftest says
 def test_tiny_setting_runs_both_sides(flower_baseline: Any, data_root: Path) -> None:
     tiny = flower_baseline.Setting(
         "tiny", clients=4, per_round=4, batch=10, lr=0.1, rounds=2, train_samples=150,

@@ -30,7 +30,7 @@ from fedloom.engine.checkpoint import (
     write_checkpoint,
 )
 from fedloom.engine.loop import Engine
-from fedloom.engine.rundir import RunDir
+from fedloom.engine.rundir import RunDir, config_sha256
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.errors import RunDirError
 from fedloom.models import build_model
@@ -168,7 +168,11 @@ class VerifyingRunDir(RunDir):
 
     def save_checkpoint(self, round: int, payload: dict[str, Any], keep: int) -> Path:
         path = super().save_checkpoint(round, payload, keep)
-        assert_identical(payload, self.read_checkpoint(path))
+        # the checkpoint also records the config it was written under (config drift, README)
+        assert self.config is not None
+        assert_identical({**payload, "config": self.config}, self.read_checkpoint(path))
+        manifest = json.loads(path.read_text())
+        assert manifest["config_sha256"] == config_sha256(self.config)
         self.saved += 1
         return path
 

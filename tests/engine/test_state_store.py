@@ -125,7 +125,8 @@ def test_local_training_resumes_with_mmap_state(tmp_path):
     raw = yaml.safe_load(cfg_path.read_text())
     raw["train"]["rounds"] = 4
     cfg_path.write_text(yaml.safe_dump(raw))
-    resumed = fedloom.run(resume=tmp_path / "part", progress=False)
+    # more rounds is a config change: accepted explicitly (docs/inputs.md, "Config drift")
+    resumed = fedloom.run(resume=tmp_path / "part", accept_config_change=True, progress=False)
     assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
     for cid, params in full.client_params.items():
         for key, value in params.items():

@@ -123,16 +123,13 @@ def test_other_algorithms_train_the_peft_parameters(algorithm):
     assert any(float(v.abs().sum()) > 0 for k, v in params.items() if k.endswith("lora_B"))
 
 
-def test_personal_strategies_need_fedavg():
-    with pytest.raises(ConfigError, match="share: a needs PEFT's own server step"):
-        _engine(tiny_config("a", algorithm="ditto"))
-
-
 @pytest.mark.parametrize(
     "raw, match",
     [
         ({"peft": {"kind": "lora", "targets": ["quer"]}}, "peft.targets: unknown quer"),
         ({"peft": {"kind": "adapter", "rank_by_size": True}}, "rank_by_size"),
+        ({"peft": {"share": "a", "prune_strength": 0.1}}, "peft.prune_strength"),
+        ({"peft": {"prune_decay": 1.0}}, "prune_decay"),
         ({"peft": None}, "add a peft section"),
         ({"model": {"name": "mlp"}}, "peft: needs a pretrained model"),
     ],

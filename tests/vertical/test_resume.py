@@ -58,7 +58,40 @@ def _without_time(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS, ids=lambda a: a["name"] + a.get("protocol", ""))
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, algorithm):
-    cfg = _cfg(algorithm)
+    _check_resume(tmp_path, _cfg(algorithm))
+
+
+WINE_3 = {"name": "wine", "partition": {"kind": "vertical", "parties": [[0, 5], [5, 9], [9, 13]]}}
+BREAST_3 = {
+    "name": "breast_cancer",
+    "partition": {"kind": "vertical", "parties": [[0, 10], [10, 20], [20, 30]]},
+}
+NEW_PATHS = {
+    "multiclass_two_hosts": (WINE_3, {"name": "secureboost", "n_trees": 4, "max_depth": 2}),
+    "missing_values": ({**BREAST_3, "missing_fraction": 0.2},
+                       {"name": "secureboost", "n_trees": 4, "max_depth": 2}),
+    "logistic_two_hosts": (BREAST_3, {"name": "vertical_logistic", "iterations": 6,
+                                      "batch_size": 64}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(NEW_PATHS))
+def test_new_paths_killed_and_resumed(tmp_path, case):
+    """Multi-class SecureBoost and missing values with two hosts, and logistic regression
+    with two hosts: resumed == uninterrupted."""
+    data, algorithm = NEW_PATHS[case]
+    cfg = {**_cfg(algorithm), "data": data}
+    full = _check_resume(tmp_path, cfg)
+    assert full.summary["num_clients"] == 3
+    assert set(full.summary["vertical"]["bytes_by_party"]) >= {"guest", "host:1", "host:2"}
+    if case == "multiclass_two_hosts":
+        assert full.extras["model"].train_margin_.shape[1] == 3
+
+
+def _check_resume(tmp_path, cfg: dict):
+    """Run ``cfg`` uninterrupted, killed after 3 rounds (checkpoint every 2) and resumed:
+    equal metrics, model, summary and bytes. Returns the uninterrupted run."""
+    algorithm = cfg["algorithm"]
     full = fedloom.run(cfg, out=tmp_path / "full")
     with pytest.raises(Crash):
         run_vertical(cfg, out=tmp_path / "killed", on_round=_crash_at(3))  # checkpoint: 2
@@ -79,6 +112,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, algorithm):
     assert fa == fb
     assert full.summary["communication"] == resumed.summary["communication"]
     assert set(full.summary) == set(resumed.summary)
+    return full
 
 
 def test_checkpoints_every_and_last(tmp_path):

@@ -146,6 +146,19 @@ def test_command_line_run_and_errors(tmp_path):
         ({"secure_aggregation": {"kind": "paillier", "key_bits": 1000}}, "multiple of 256"),
         ({"algorithm": {"name": "vertical_logistic"}, "data": {"name": "diabetes", "partition": {
             "kind": "vertical", "parties": [[0, 5], [5, 10]]}}}, "binary labels"),
+        ({"algorithm": {"name": "vertical_logistic", "protocol": "two_party"}, "data": {
+            "name": "breast_cancer", "partition": {"kind": "vertical",
+                                                   "parties": [[0, 10], [10, 20], [20, 30]]}}},
+         "protocol three_party"),
+        ({"algorithm": {"name": "vertical_linear"}, "data": {"name": "wine", "partition": {
+            "kind": "vertical", "parties": [[0, 5], [5, 13]]}}}, "use algorithm secureboost"),
+        ({"algorithm": {"name": "vertical_logistic"}, "data": {
+            "name": "breast_cancer", "missing_fraction": 0.1,
+            "partition": {"kind": "vertical", "parties": [[0, 10], [10, 30]]}}},
+         "missing_fraction applies to secureboost only"),
+        ({"algorithm": {"name": "secureboost", "objective": "binary:logistic", "num_class": 3}},
+         "num_class applies to objective multi:softprob"),
+        ({"algorithm": {"name": "secureboost", "num_clas": 3}}, "num_class"),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_key(change, message):
@@ -165,3 +178,28 @@ def test_vertical_data_split():
     np.testing.assert_allclose(data.test_parts[1], sc.transform(x_te)[:, :20])
     np.testing.assert_array_equal(data.y_test, y_te)
     assert data.task == "binary" and data.y_scale is None
+
+
+def test_yaml_multiclass_with_missing_values_and_two_hosts(tmp_path):
+    """wine (3 classes), a guest and two hosts, 10% of the entries missing: a YAML run whose
+    test metrics equal SecureBoost's Python API on the same data."""
+    parties = [[0, 5], [5, 9], [9, 13]]
+    cfg = {
+        "data": {"name": "wine", "missing_fraction": 0.1,
+                 "partition": {"kind": "vertical", "parties": parties}},
+        "algorithm": {"name": "secureboost", "n_trees": 5, "max_depth": 3, "base_score": 0.5},
+        "eval": {"every": 5},
+    }  # fmt: skip
+    result = fedloom.run(_yaml(tmp_path, cfg), out=tmp_path / "run")
+    data = load_vertical("wine", parties, 0.3, 0, missing_fraction=0.1)
+    assert np.isnan(data.train_parts[1]).any() and np.isnan(data.test_parts[2]).any()
+    model = SecureBoost(5, 3, base_score=0.5, objective="multi:softprob", num_class=3)
+    model.fit(data.train_parts, data.y_train)
+    proba = model.predict_proba(data.test_parts)
+    final = result.summary["final"]["global"]
+    assert final["accuracy"] == pytest.approx(np.mean(proba.argmax(1) == data.y_test))
+    assert final["accuracy"] >= 0.85 and set(final) == {"accuracy", "auc", "loss"}
+    vert = result.summary["vertical"]
+    assert vert["task"] == "multiclass" and len(vert["leaves_per_tree"]) == 15
+    assert [r["round"] for r in result.history] == [5]
+    assert 'id="vertical_progress"' in (tmp_path / "run" / "report.html").read_text()

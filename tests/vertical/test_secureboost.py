@@ -30,11 +30,14 @@ def _parts(x: np.ndarray) -> list[np.ndarray]:
     return [x[:, :GUEST_COLS], x[:, GUEST_COLS:]]
 
 
-def _xgboost(x, y, *, max_bin, max_depth, n_trees, gamma, base_score, objective="binary:logistic"):
+def _xgboost(
+    x, y, *, max_bin, max_depth, n_trees, gamma, base_score, objective="binary:logistic", **extra
+):
+    """xgboost.train with fedloom's defaults (``extra``: e.g. num_class)."""
     params = {
         "tree_method": "hist", "objective": objective, "max_bin": max_bin,
         "max_depth": max_depth, "eta": 0.3, "lambda": 1.0, "alpha": 0.0, "gamma": gamma,
-        "min_child_weight": 1.0, "base_score": base_score, "nthread": 1,
+        "min_child_weight": 1.0, "base_score": base_score, "nthread": 1, **extra,
     }  # fmt: skip
     return xgb.train(params, xgb.DMatrix(x, label=y), n_trees)
 
@@ -104,7 +107,7 @@ def _structure(model: SecureBoost) -> list[tuple]:
             if n.is_leaf:
                 out.append(("leaf", n.value))
             elif n.party == 0:
-                out.append((0, n.feature, n.threshold))
+                out.append((0, n.feature, n.threshold, n.default_left))
             else:
                 out.append((n.party, *model.hosts_[n.party - 1].lookup[n.record_id]))
     return out
@@ -132,11 +135,14 @@ def test_secureboost_lookup_privacy(boosted):
     assert host_nodes
     for n in host_nodes:
         assert n.feature is None and n.threshold is None and n.record_id in host.lookup
-    thresholds = {repr(float(thr)) for _, thr in host.lookup.values()}
+    thresholds = {repr(float(thr)) for _, thr, _ in host.lookup.values()}
     values = {repr(float(v)) for v in np.unique(host.x.astype(np.float32))}
-    numbers = set(guest_json.replace("[", " ").replace("]", " ").replace(",", " ").split())
-    assert not (thresholds | values) & numbers
-    assert all(isinstance(thr, float) for _, thr in host.lookup.values())
+    numbers = set(
+        guest_json.replace("[", " ").replace("]", " ").replace(",", " ").replace("}", " ").split()
+    )
+    own = {repr(float(n.threshold)) for t in enc.trees_ for n in t.nodes if n.party == 0}
+    assert not (thresholds | values) & (numbers - own)  # a guest cut may equal a host value
+    assert all(isinstance(thr, float) for _, thr, _ in host.lookup.values())
 
 
 def test_secureboost_distributed_predict(boosted, breast_cancer_split):
@@ -153,7 +159,7 @@ def test_secureboost_distributed_predict(boosted, breast_cancer_split):
                 if node.party == 0:
                     feature, thr = node.feature, node.threshold
                 else:
-                    k, thr = enc.hosts_[0].lookup[node.record_id]
+                    k, thr, _ = enc.hosts_[0].lookup[node.record_id]
                     feature = GUEST_COLS + k
                 node = tree.nodes[node.left if row[feature] < np.float32(thr) else node.right]
             joined[i] += np.float32(node.value)
@@ -162,32 +168,48 @@ def test_secureboost_distributed_predict(boosted, breast_cancer_split):
     assert sent and all(d.message.payload[0].dtype == np.uint8 for d in sent)  # bits only
 
 
-def test_secureboost_views(boosted):
-    """The host receives g, h only encrypted (plus instance ids and the chosen bucket); the
-    guest receives no float from a host (no feature value, no threshold)."""
-    plain, enc = boosted
-    for d in enc.transcript_.select(receiver="host:1"):
+def assert_views(model: SecureBoost) -> None:
+    """Who sees what, for any number of hosts: a host hears from the guest only, and receives
+    g, h only encrypted, instance ids, the chosen (opaque feature, bucket, direction) and
+    integers; the guest receives no float from a host (no feature value, no threshold): per
+    node ciphertexts with integer counts and one missing-flag bit per opaque feature, the ids
+    going left, direction bits."""
+    transcript = model.transcript_
+    hosts = [h.name for h in model.hosts_]
+    for name in hosts:
+        received = transcript.select(receiver=name)
+        assert received and {d.sender for d in received} == {"guest"}
+        for d in received:
+            for item in d.message.payload:
+                if isinstance(item, EncryptedGradients):
+                    assert item.kind == "packed" and not any(
+                        isinstance(v, np.ndarray) and v.dtype.kind == "f"
+                        for v in item.channels.values()
+                    )
+                elif isinstance(item, list) and item and isinstance(item[0], NodeRequest):
+                    assert all(r.ids.dtype.kind == "i" for r in item)
+                elif isinstance(item, list):  # the tied (opaque feature, bucket, default_left)
+                    assert all(isinstance(v, int | bool) for t in item for v in t), d.kind
+                else:
+                    assert isinstance(item, int | np.ndarray), (d.kind, type(item))
+                    assert not (isinstance(item, np.ndarray) and item.dtype.kind == "f")
+    for d in transcript.select(receiver="guest"):
+        assert d.sender in hosts
         for item in d.message.payload:
-            if isinstance(item, EncryptedGradients):
-                assert item.kind == "packed" and not any(
-                    isinstance(v, np.ndarray) and v.dtype.kind == "f"
-                    for v in item.channels.values()
-                )
-            elif isinstance(item, list) and item and isinstance(item[0], NodeRequest):
-                assert all(r.ids.dtype.kind == "i" for r in item)
-            else:
-                assert isinstance(item, int | list | np.ndarray), (d.kind, type(item))
-                assert not (isinstance(item, np.ndarray) and item.dtype.kind == "f")
-    for d in enc.transcript_.select(receiver="guest"):
-        for item in d.message.payload:
-            if isinstance(item, list):  # histograms: ciphertexts and integer counts only
+            if isinstance(item, list):  # histograms: ciphertexts, integer counts, flag bits
                 for h in item:
                     assert isinstance(h, HistogramPayload) and h.kind == "packed"
                     assert h.counts is not None and h.counts.dtype.kind == "i"
+                    assert h.missing is not None and h.missing.dtype == bool
             elif isinstance(item, SplitRecord):
                 assert item.left_ids.dtype.kind == "i"
             else:
                 assert isinstance(item, np.ndarray) and item.dtype == np.uint8, d.kind
+
+
+def test_secureboost_views(boosted):
+    plain, enc = boosted
+    assert_views(enc)
     # the plaintext path, by contrast, ships g and h in the clear
     first = plain.transcript_.select(kind="gradients")[0].message.payload[0]
     assert first.kind == "plain"

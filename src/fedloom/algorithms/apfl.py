@@ -73,6 +73,7 @@ import torch
 from pydantic import Field, model_validator
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram, aggregate_models
+from fedloom.algorithms.local_optimizer import LocalOptimizer
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
@@ -255,15 +256,41 @@ class APFL(Algorithm):
         over the iterations with ``final_averaging``). A client that never trained (never
         sampled, or a held-out new client) deploys the global model."""
         if state is None or int(state["steps"]) == 0:
-            return self.global_model(server)
-        theta, _ = self.global_model(server)
+            return self.client_global(server, state, task)
+        theta, global_buffers = self.client_global(server, state, task)
         personal = state["personal"]
         if self.config.final_averaging:  # up to this round, omega_k unchanged since it trained
             rounds = range(int(state["last_round"]) + 1, task.round + 1)
             weight, tau = float(state["average_weight"]), float(state["tau"])
             stale = self.rounds_weight(rounds, tau)
             personal, _ = combine(state["average"], weight, personal, stale)
-        return mix(state["alpha"], personal["params"], theta), personal["buffers"]
+        params, buffers = self.personal_view(personal, global_buffers, state)
+        return mix(state["alpha"], params, theta), buffers
+
+    # -- hooks of a model track with keys kept on the client (PEFT strategies, docs/peft.md)
+    def client_global(
+        self, server: State, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """theta as client k mixes it (default: the global model)."""
+        return self.global_model(server)
+
+    def theta_start(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """theta_k at the start of the round (default: the broadcast theta^r)."""
+        return message["params"], message["buffers"]
+
+    def personal_view(
+        self, personal: State, global_buffers: Tree, state: State | None
+    ) -> tuple[Tree, Tree]:
+        """omega_k as the client trains and deploys it (default: its state's)."""
+        return personal["params"], personal["buffers"]
+
+    def theta_result(
+        self, message: Message, state: State | None, task: ClientTask, theta: Tree, buffers: Tree
+    ) -> tuple[Message, State]:
+        """theta_k's upload and what the client keeps of it (default: all of it up)."""
+        return {"params": theta, "buffers": buffers}, {}
 
 
 def averaging_slots(params: Tree, buffers: Tree) -> State:
@@ -289,13 +316,26 @@ def combine(average: State, weight: float, model: State, added: float) -> tuple[
     }, weight + added
 
 
+MODELS = ("theta", "omega")
+"""The models the local optimizer moves: theta_k and omega_k (alpha_k's step stays SGD's)."""
+
+
 class APFLProgram(StepProgram):
     """APFL's local step (the module doc): theta_k's and omega_k's updates from one minibatch,
-    alpha_k's optional step, and with ``final_averaging`` the p_t-weighted iterate averages."""
+    alpha_k's optional step, and with ``final_averaging`` the p_t-weighted iterate averages.
+
+    With ``train.optimizer: adamw`` theta_k's and omega_k's updates are AdamW's steps on the
+    same gradients, grad f_k(theta_k) and grad f_k(omega_bar), at eta_t, each model with
+    moments of its own (kept in the client state with ``moments: client``); alpha_k's
+    projected step on its scalar slope stays the pseudocode's."""
+
+    takes_optimizer = True
+    keeps_moments = True
 
     def __init__(self, algorithm: APFL) -> None:
         super().__init__(algorithm)
         self.config = algorithm.config
+        self.optimizer = LocalOptimizer(algorithm.ctx.optimizer)
 
     def passes_per_step(self) -> float:
         return 2.0  # theta_k's gradient and the mixed model's
@@ -304,11 +344,14 @@ class APFLProgram(StepProgram):
         assert state is not None
         plan_length = len(self.algorithm.client_plan(task))
         tau = float(task.full if task.full is not None else plan_length)
+        algorithm = self.algorithm
+        theta, theta_buffers = algorithm.theta_start(message, state, task)
+        omega, omega_buffers = algorithm.personal_view(state["personal"], message["buffers"], state)
         carry: Carry = {
-            "theta": message["params"],
-            "theta_buffers": clone(message["buffers"]),
-            "omega": state["personal"]["params"],
-            "omega_buffers": clone(state["personal"]["buffers"]),
+            "theta": theta,
+            "theta_buffers": clone(theta_buffers),
+            "omega": omega,
+            "omega_buffers": clone(omega_buffers),
             "alpha": state["alpha"],
             "tau": torch.tensor(tau, dtype=F64),
             "t": torch.tensor((task.round - 1) * tau, dtype=F64),
@@ -317,7 +360,7 @@ class APFLProgram(StepProgram):
             carry["iterates"] = {"params": message["params"], "buffers": message["buffers"]}
             carry["personal_average"] = state["personal"]
             carry["average_weight"] = torch.zeros((), dtype=F64)
-        return carry
+        return self.optimizer.start(carry, state, {"theta": theta, "omega": omega})
 
     def shared(self, message: Message, task: ClientTask) -> dict:
         return {"lr": task.lr}
@@ -341,8 +384,8 @@ class APFLProgram(StepProgram):
                 ((omega[k] - theta[k]).to(F64) * grad_mixed[k].to(F64)).sum() for k in omega
             )
             new["alpha"] = (alpha - (cfg.alpha_lr or lr) * slope).clamp(0.0, 1.0)
-        new["theta"] = ops.descend(theta, grad_theta, lr)
-        new["omega"] = ops.descend(omega, grad_mixed, lr)
+        new["theta"] = self.optimizer.step(new, "theta", theta, grad_theta, lr, ops.descend)
+        new["omega"] = self.optimizer.step(new, "omega", omega, grad_mixed, lr, ops.descend)
         new["t"] = t + 1.0
         if cfg.final_averaging:  # fold iterate t + 1 in at p_{t+1} = (t + 1 + a)^2
             p = (t + 1.0 + a) ** 2
@@ -371,12 +414,16 @@ class APFLProgram(StepProgram):
         algorithm, carry = self.algorithm, run.carry
         steps = run.steps.get(self.STEP, 0)
         personal = {"params": carry["omega"], "buffers": carry["omega_buffers"]}
+        upload, kept = algorithm.theta_result(
+            message, state, task, carry["theta"], carry["theta_buffers"]
+        )
         new_state: State = {
+            **kept,
+            **self.optimizer.kept(carry, MODELS),
             "personal": personal,
             "alpha": carry["alpha"].clone(),
             "steps": state["steps"] + steps,
         }
-        upload: Message = {"params": carry["theta"], "buffers": carry["theta_buffers"]}
         if self.config.final_averaging:
             tau = float(carry["tau"])
             # iterations the client sat out kept its old omega_k, then this round's iterates

@@ -23,9 +23,11 @@ from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
+from fedloom.solvers.adamw import MOMENTS, AdamW, Moments, adamw_step, init_moments
 from fedloom.solvers.dpsgd import DPSGD
 from fedloom.solvers.local import BatchObjective, LocalSolution, PlanMaker, local_sgd
 from fedloom.solvers.ops import DP_BATCH, PrivacyRefused, private_update
+from fedloom.solvers.program import takes_optimizer
 from fedloom.solvers.sequential import run_client
 from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_correction, stacked_sgd_step
 
@@ -33,7 +35,7 @@ from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_correction, st
 class AlgorithmConfig(BaseModel):
     """Base of every algorithm's hyperparameters; unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
     name: str
 
 
@@ -60,6 +62,9 @@ class AlgorithmContext:
     sample_dp: DPSGD | None = None
     """DP-SGD's settings when ``privacy.kind`` is ``sample_dp``: the local steps of programs
     that support it (``SGDProgram.private_step``) clip per-sample gradients and add noise."""
+    optimizer: AdamW | None = None
+    """AdamW's settings when ``train.optimizer.kind`` is ``adamw`` (solvers/adamw.py): the
+    local steps of programs that take it (``SGDProgram``) are AdamW's; None: SGD's."""
 
     def objective_weight(self, client_id: int, weighting: str) -> float:
         """p_k of client k in the global objective (algorithms/weights.py)."""
@@ -160,8 +165,17 @@ class Algorithm:
         """The client side as one program (solvers/program.py) that every executor runs,
         made once by ``make_program``."""
         if self._program is None:
-            self._program = self.make_program()
+            program = self.make_program()
+            if self.ctx.optimizer is not None:
+                refuse_adamw(self, program)
+            self._program = program
         return self._program
+
+    def sgd_only(self) -> str:
+        """Why this algorithm's local steps must be SGD's (its server reads gradients off the
+        SGD trajectory), refusing ``train.optimizer: adamw``; empty (the default): AdamW
+        applies wherever its client program takes ``train.optimizer`` (docs/optimizers.md)."""
+        return ""
 
     def make_program(self) -> ClientProgram:
         """By default FedAvg's local SGD (:class:`PlainSGDProgram` with its default options);
@@ -249,6 +263,37 @@ class Algorithm:
         """Step size of a new client's fine-tuning when ``eval.adapt_lr`` is not set (None:
         ``train.lr``; Per-FedAvg: its inner step size alpha, the step it meta-learned for)."""
         return None
+
+
+def refuse_adamw(algorithm: Algorithm, program: ClientProgram) -> None:
+    """A config error naming ``algorithm`` when ``train.optimizer: adamw`` cannot apply to it:
+    it declares its steps SGD-only (``sgd_only``), its program's steps are its own
+    (solvers/program.py, ``takes_optimizer``), or its moments should persist (``moments:
+    client``) in a client state it does not keep, or its program does not keep them
+    (``keeps_moments``)."""
+    reason = algorithm.sgd_only()
+    if not reason and not takes_optimizer(program):
+        reason = (
+            "has local steps of its own (its client program does not take the shared SGD "
+            "step that AdamW replaces)"
+        )
+    if reason:
+        raise ConfigError(
+            f"train.optimizer: adamw: {algorithm.name} {reason}; use train.optimizer: sgd "
+            "or another algorithm (docs/optimizers.md)"
+        )
+    optimizer = algorithm.ctx.optimizer
+    keeps_state = type(algorithm).init_client_state is not Algorithm.init_client_state
+    if optimizer is not None and optimizer.persist and not keeps_state:
+        raise ConfigError(
+            f"train.optimizer.moments: client: {algorithm.name} keeps no client state to hold "
+            "AdamW's moments across rounds; use moments: round (docs/optimizers.md)"
+        )
+    if optimizer is not None and optimizer.persist and not program.keeps_moments:
+        raise ConfigError(
+            f"train.optimizer.moments: client: {algorithm.name}'s client program starts AdamW's "
+            "moments from zero every round; use moments: round (docs/optimizers.md)"
+        )
 
 
 def finetuned_models(
@@ -364,7 +409,7 @@ class SGDProgram(StepProgram):
         for each minibatch B of algorithm.client_plan:
             g <- grad F_k(w; B) + correction(w, message, state)
             v <- momentum v + g  (momentum 0: v = g)
-            w <- w - lr(task) v
+            w <- w - lr(task) v            (train.optimizer: adamw: AdamW's step on g)
         finish(message, state, task, solved)
 
     ``start`` defaults to the broadcast model (``server_model``), ``correction`` to none
@@ -382,7 +427,16 @@ class SGDProgram(StepProgram):
     the step runs with ``ops.PrivateOps`` and a sealed minibatch (``ops.private_update``), so
     its only data gradient is the private one (``data_grad``, ``steps.loss_grad``), taken
     ``private_grads`` times a step, and a step that takes one any other way raises
-    ``PrivacyRefused`` naming the algorithm (docs/privacy.md)."""
+    ``PrivacyRefused`` naming the algorithm (docs/privacy.md).
+
+    With ``train.optimizer: adamw`` (``ctx.optimizer``) the step on g is AdamW's
+    (solvers/adamw.py; on DP-SGD's private gradient under sample-level DP, post-processing),
+    its moments in the carry (``MOMENTS``): zero every round, or, with ``moments: client``,
+    kept in the client's state across rounds (``descend``, ``keep_moments``). A subclass
+    with a step of its own takes it by calling ``descend`` and declaring ``takes_optimizer``."""
+
+    takes_optimizer: ClassVar[bool] = True
+    keeps_moments: ClassVar[bool] = True
 
     private_step: ClassVar[bool] = True
     """Whether the program can run under sample-level DP: its steps take their data gradients
@@ -408,6 +462,13 @@ class SGDProgram(StepProgram):
         super().__init__(algorithm)
         self.start, self.correction, self.momentum = start, correction, momentum
         self.step_size, self.upload = lr, finish
+        self.optimizer = algorithm.ctx.optimizer
+        if self.optimizer is not None and momentum:
+            raise ConfigError(
+                f"train.optimizer: adamw: {algorithm.name}'s local steps have heavy-ball "
+                f"momentum {momentum}, which AdamW's first moment replaces; use "
+                "train.optimizer: sgd or turn the momentum off"
+            )
         self.corrected = correction is not None
         self.private = algorithm.ctx.sample_dp if self.private_step else None
         if self.private is not None:
@@ -448,14 +509,62 @@ class SGDProgram(StepProgram):
         carry: Carry = {"params": params, "buffers": clone(buffers)}
         if self.momentum:
             carry["velocity"] = {k: torch.zeros_like(v) for k, v in params.items()}
+        if self.optimizer is not None:
+            carry[MOMENTS] = self.initial_moments(params, state)
         if self.corrected and state is not None:
-            carry["state"] = state
+            carry["state"] = {k: v for k, v in state.items() if k != MOMENTS}
         if self.private is not None:
             carry[DP_BATCH] = torch.tensor(self.private.expected_batch(task.data.num_train))
         return carry
 
+    def initial_moments(self, params: Tree, state: State | None) -> Moments:
+        """AdamW's moments at the first step: the client's kept ones (``moments: client``,
+        once it has trained), else zero."""
+        kept = self.kept_moments(state)
+        return kept if kept is not None else init_moments(params)
+
+    def kept_moments(self, state: State | None) -> Moments | None:
+        """The client's AdamW moments from its state (``moments: client``), or None."""
+        if self.optimizer is None or not self.optimizer.persist or state is None:
+            return None
+        return state.get(MOMENTS)
+
+    def keep_moments(
+        self, result: ClientResult, state: State | None, moments: Moments | None
+    ) -> ClientResult:
+        """``result`` with AdamW's final moments in the client's new state (``moments:
+        client``; a result that leaves the state as it was keeps it with new moments)."""
+        if self.optimizer is None or not self.optimizer.persist or moments is None:
+            return result
+        before = result.state if result.state is not None else state
+        if before is None:
+            raise ConfigError(
+                f"train.optimizer.moments: client: {self.algorithm.name} keeps no client state; "
+                "use moments: round (docs/optimizers.md)"
+            )
+        result.state = {**before, MOMENTS: moments}
+        return result
+
     def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
         return {"message": message, "lr": self.step_size(task)}
+
+    def descend(self, ops: Ops, carry: Carry, grads: Tree, lr: float) -> Carry:
+        """The carry after the local optimizer's step on ``grads`` (the keys that move): SGD's,
+        with heavy-ball momentum when the program has it, or AdamW's (``train.optimizer``)."""
+        new = dict(carry)
+        params = carry["params"]
+        if self.optimizer is not None:
+            new["params"], new[MOMENTS] = adamw_step(
+                params, grads, carry[MOMENTS], lr, self.optimizer
+            )
+            return new
+        if self.momentum:
+            grads = {
+                k: torch.add(g, carry["velocity"][k], alpha=self.momentum) for k, g in grads.items()
+            }
+            new["velocity"] = grads
+        new["params"] = ops.descend(params, grads, lr)
+        return new
 
     def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
@@ -467,14 +576,7 @@ class SGDProgram(StepProgram):
             extra = self.correction(params, shared["message"], carry.get("state"))
             if extra is not None:
                 grads = {k: g + extra[k] for k, g in grads.items()}
-        new = dict(carry)
-        if self.momentum:
-            grads = {
-                k: torch.add(g, carry["velocity"][k], alpha=self.momentum) for k, g in grads.items()
-            }
-            new["velocity"] = grads
-        new["params"] = ops.descend(params, grads, shared["lr"])
-        return new, {"loss": loss}
+        return self.descend(ops, carry, grads, shared["lr"]), {"loss": loss}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
@@ -489,8 +591,9 @@ class SGDProgram(StepProgram):
             self.step_size(task),
             run.steps.get(self.STEP, 0),
             carry.get("velocity"),
+            carry.get(MOMENTS),
         )
-        return self.upload(message, state, task, solved)
+        return self.keep_moments(self.upload(message, state, task, solved), state, solved.moments)
 
     def lean_sgd(
         self,
@@ -529,8 +632,10 @@ class SGDProgram(StepProgram):
             self.momentum,
             objective=objective,
             head=head,
+            adamw=self.optimizer,
+            moments=self.kept_moments(state),
         )
-        return self.upload(message, state, task, solved)
+        return self.keep_moments(self.upload(message, state, task, solved), state, solved.moments)
 
 
 class PlainSGDProgram(SGDProgram):
@@ -569,6 +674,8 @@ class PlainSGDProgram(SGDProgram):
             extra,
             carry.get("velocity"),
             self.momentum,
+            adamw=self.optimizer,
+            moments=carry.get(MOMENTS),
         )
         return carry, {"loss": loss}
 

@@ -48,6 +48,7 @@ Deployed (personalized) model: omega_k. Global model: theta.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -59,6 +60,7 @@ from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.errors import unknown_name_message
+from fedloom.solvers.adamw import MOMENTS, adamw_step, init_moments
 from fedloom.solvers.program import (
     BATCHES,
     Batch,
@@ -71,7 +73,7 @@ from fedloom.solvers.program import (
     UpdateFn,
 )
 from fedloom.solvers.sequential import run_steps
-from fedloom.solvers.steps import prox_sgd_step
+from fedloom.solvers.steps import loss_grad, prox_sgd_step
 
 NOT_GLOBAL = ("ditto",)
 """Registered algorithms that cannot be Ditto's global algorithm besides those without a
@@ -144,9 +146,14 @@ class Ditto(Algorithm):
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
+        self.inner: Algorithm = self.global_algorithm(ctx)
+        self.has_global_model = self.inner.has_global_model  # type: ignore[misc]
+
+    def global_algorithm(self, ctx: AlgorithmContext) -> Algorithm:
+        """UpdateGlobal/Aggregate: ``global_algorithm`` built with the same context."""
         from fedloom.algorithms import build_algorithm  # the registry imports this module
 
-        self.inner: Algorithm = build_algorithm(self.config.global_algorithm, ctx)
+        return build_algorithm(self.config.global_algorithm, ctx)
 
     # -- server: the global algorithm's, next to the initial model -------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
@@ -163,6 +170,15 @@ class Ditto(Algorithm):
 
     def global_model(self, server: State) -> tuple[Tree, Tree] | None:
         return self.inner.global_model(server["inner"])
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        return self.inner.download_bytes(message, clients)
+
+    def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
+        return self.inner.client_delta(message, result)
+
+    def summary_extras(self, server: State) -> dict[str, Any]:
+        return self.inner.summary_extras(server["inner"])
 
     # -- client state ----------------------------------------------------------------------
     def init_client_state(self, server: State, client_id: int) -> State:
@@ -192,19 +208,40 @@ class Ditto(Algorithm):
         plan = self.ctx.make_plan(task.data, steps, "ditto/personal", task.round, task.client_id)
         return Plan(plan)
 
+    def personal_view(
+        self, personal: State, global_buffers: Tree, inner: State | None
+    ) -> tuple[Tree, Tree]:
+        """omega_k as the client trains and deploys it (default: its state's params and
+        buffers; a PEFT strategy truncates it at the client's rank and gives it the
+        server's residuals from ``global_buffers``, docs/peft.md)."""
+        return personal["params"], personal["buffers"]
+
+    def personal_anchor(
+        self, message: Message, inner: State | None, task: ClientTask
+    ) -> Tree | None:
+        """theta in (9) when it differs per client (a PEFT strategy's: the global
+        algorithm's start model of client k, with the keys it keeps on the client); None:
+        the broadcast theta^t."""
+        return None
+
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
         """omega_k; a client without a personal step yet (never sampled, or a held-out new
-        client) deploys the global model theta instead of the initial omega_k^(0)."""
+        client) deploys the global model theta instead of the initial omega_k^(0) (without
+        one, e.g. under FedSA, the global algorithm's model of the client)."""
+        inner = self._inner_state(state)
         if state is None or int(state["steps"]) == 0:
             model = self.global_model(server)
-            assert model is not None
-            return model
-        return state["personal"]["params"], state["personal"]["buffers"]
+            if model is not None:
+                return model
+            return self.inner.deployed_model(server["inner"], inner, task)
+        buffers = server["inner"].get("buffers", {})
+        return self.personal_view(state["personal"], buffers, inner)
 
 
 PERSONAL = "ditto/personal"
+PERSONAL_MOMENTS = f"{MOMENTS}/personal"
 
 
 class DittoProgram(ClientProgram):
@@ -213,6 +250,10 @@ class DittoProgram(ClientProgram):
     omega_k (``personal``) while the client has personal minibatches left. (9) reads only
     omega_k and the broadcast theta^t, so running it beside the global update rather than after
     it changes nothing."""
+
+    takes_optimizer = True
+    """AdamW reaches the global algorithm's program (refused there if it takes none) and
+    the personal update (9)."""
 
     def __init__(self, algorithm: Ditto) -> None:
         super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
@@ -237,12 +278,23 @@ class DittoProgram(ClientProgram):
         return {**plans, PERSONAL: self.algorithm.personal_plan(task, global_steps)}
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
-        assert state is not None
-        personal = state["personal"]
         return {
             "inner": self.inner.init(message, Ditto._inner_state(state), task),
-            "personal": {"params": personal["params"], "buffers": clone(personal["buffers"])},
+            **self._personal_carry(message, state, task),
         }
+
+    def _personal_carry(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        """omega_k (``personal``) and, when theta differs per client, its ``anchor``."""
+        assert state is not None
+        algorithm, inner = self.algorithm, Ditto._inner_state(state)
+        params, buffers = algorithm.personal_view(state["personal"], message["buffers"], inner)
+        carry: Carry = {"personal": {"params": params, "buffers": clone(buffers)}}
+        if algorithm.ctx.optimizer is not None:
+            carry[PERSONAL_MOMENTS] = init_moments(params)
+        anchor = algorithm.personal_anchor(message, inner, task)
+        if anchor is not None:
+            carry["anchor"] = anchor
+        return carry
 
     def shared(self, message: Message, task: ClientTask) -> dict:
         cfg = self.algorithm.config
@@ -256,22 +308,26 @@ class DittoProgram(ClientProgram):
     def personal_step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
-        """(9): omega <- omega - eta_p (grad f_k(omega) + mu (omega - theta^t))."""
+        """(9): omega <- omega - eta_p (grad f_k(omega) + mu (omega - theta^t)); with
+        ``train.optimizer: adamw``, AdamW's step on that gradient (its own moments, zero at
+        every round's start)."""
         (batch,) = batches
-        personal = carry["personal"]
-        params, loss = prox_sgd_step(
-            ops,
-            self.model,
-            personal["params"],
-            personal["buffers"],
-            batch,
-            shared["lr"],
-            shared["anchor"],
-            shared["mu"],
-        )
-        return {**carry, "personal": {"params": params, "buffers": personal["buffers"]}}, {
-            "loss": loss
-        }
+        personal, new = carry["personal"], dict(carry)
+        anchor, mu, lr = carry.get("anchor", shared["anchor"]), shared["mu"], shared["lr"]
+        optimizer = self.algorithm.ctx.optimizer
+        if optimizer is None:
+            params, loss = prox_sgd_step(
+                ops, self.model, personal["params"], personal["buffers"], batch, lr, anchor, mu
+            )
+        else:
+            omega = personal["params"]
+            grads, loss = loss_grad(ops, self.model, omega, personal["buffers"], batch)
+            grads = {k: g + mu * (omega[k] - anchor[k]) for k, g in grads.items()}
+            params, new[PERSONAL_MOMENTS] = adamw_step(
+                omega, grads, carry[PERSONAL_MOMENTS], lr, optimizer
+            )
+        new["personal"] = {"params": params, "buffers": personal["buffers"]}
+        return new, {"loss": loss}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
@@ -294,8 +350,7 @@ class DittoProgram(ClientProgram):
             self.inner.plans(message, Ditto._inner_state(state), task)[BATCHES].batches
         )
         plans = {PERSONAL: self.algorithm.personal_plan(task, global_steps)}
-        personal = state["personal"]
-        carry = {"personal": {"params": personal["params"], "buffers": clone(personal["buffers"])}}
+        carry = self._personal_carry(message, state, task)
         only = SimpleNamespace(updates=self.updates[-1:])
         run = run_steps(only, carry, plans, self.shared(message, task), task, 0)  # type: ignore[arg-type]
         return self._result(state, inner, run.carry["personal"], run.steps["personal"])

@@ -36,9 +36,11 @@ analytic for diagonal Gaussians::
     KL[N(m, v) || N(mu, s^2)] = 1/2 sum_d [ log(s_d^2 / v_d) + (v_d + (m_d - mu_d)^2) / s_d^2 - 1 ]
 
 All parameters (body, variance branch, head) take plain SGD steps on L_i together (the
-pseudocode's "update the whole network by SGD on the local objective"). At inference a client
-uses head(mu(x)): for a linear head this is exactly the expectation E_eps[head(z)] of the
-logits the paper's code averages over ``num_avg`` draws.
+pseudocode's "update the whole network by SGD on the local objective"); with
+``train.optimizer: adamw`` AdamW's steps on the same gradient, one set of moments over all
+of them (docs/optimizers.md; kept in the client state with ``moments: client``). At
+inference a client uses head(mu(x)): for a linear head this is exactly the expectation
+E_eps[head(z)] of the logits the paper's code averages over ``num_avg`` draws.
 
 The local step is one client program (:class:`FedCRProgram`, solvers/program.py) that both
 backends run: the sequential one client at a time with autograd, the vmap backend a chunk of
@@ -122,6 +124,7 @@ from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, RoundExtent
+from fedloom.solvers.adamw import MOMENTS, adamw_step, init_moments
 from fedloom.solvers.steps import descend
 
 DEFAULT_BETA = 0.001
@@ -373,6 +376,7 @@ class FedCRProgram(SGDProgram):
     together under vmap. mu(x) = h(x) comes from ``forward_with_features``."""
 
     private_step = False  # the variational objective (23), not DP-SGD's per-sample loss
+    takes_optimizer = True  # ``train.optimizer``'s step on (23)'s gradient, variance included
 
     def __init__(self, algorithm: FedCR) -> None:
         super().__init__(algorithm, start=algorithm.local_start, finish=algorithm.local_finish)
@@ -399,7 +403,15 @@ class FedCRProgram(SGDProgram):
             "window": torch.tensor([window.start, window.stop]),
             "stats": stats.tree(),
         }
+        if self.optimizer is not None and self.kept_moments(state) is None:
+            carry[MOMENTS] = init_moments(self.trainable(carry))  # the variance branch's too
         return carry
+
+    @staticmethod
+    def trainable(carry: Carry) -> Tree:
+        """What a step differentiates: the model's parameters and the variance branch."""
+        variance = carry[KEY]["variance"]
+        return {**carry["params"], **{VARIANCE + k: v for k, v in variance.items()}}
 
     def draws(self, task: ClientTask, dtype: torch.dtype) -> torch.Tensor:
         """eps of every local step s, (S, n_s, d), from the stream (seed, 'fedcr', round,
@@ -422,7 +434,7 @@ class FedCRProgram(SGDProgram):
         step = own["step"]
         eps = at_step(own["eps"], step)[:, : batch.y.shape[0]]  # padded under vmap
         classes = shared["message"].get("classes")
-        trainable = {**params, **{VARIANCE + k: v for k, v in own["variance"].items()}}
+        trainable = self.trainable(carry)
 
         # buffers as an argument: BatchNorm's forward updates them in place
         def loss(p: Tree, b: Tree) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -434,7 +446,13 @@ class FedCRProgram(SGDProgram):
             return value, (h.detach(), s2.detach())
 
         grads, value, (h, s2) = ops.value_and_grad_aux(loss, trainable, buffers)
-        moved = descend(trainable, grads, shared["lr"])
+        moments = {}
+        if self.optimizer is None:
+            moved = descend(trainable, grads, shared["lr"])
+        else:
+            moved, moments[MOMENTS] = adamw_step(
+                trainable, grads, carry[MOMENTS], shared["lr"], self.optimizer
+            )
         window = own["window"]
         keep = (batch.w > 0) & (window[0] <= step) & (step < window[1])
         stats = ClassStatistics(**own["stats"]).add(h, s2, batch.y, keep)
@@ -445,7 +463,8 @@ class FedCRProgram(SGDProgram):
             "window": window,
             "stats": stats.tree(),
         }
-        return {**carry, "params": {k: moved[k] for k in params}, KEY: new}, {"loss": value}
+        moved_params = {k: moved[k] for k in params}
+        return {**carry, **moments, "params": moved_params, KEY: new}, {"loss": value}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun

@@ -403,6 +403,8 @@ class FedGenProgram(ObjectiveProgram):
             return carry
         return {**carry, NOISE: {**carry[NOISE], "step": torch.tensor(step)}}
 
+    takes_optimizer = True  # the objective program's step, and a step counter
+
     def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
     ) -> tuple[Carry, dict]:

@@ -93,6 +93,9 @@ class FedNova(Algorithm):
             finish=self.local_finish,
         )
 
+    def sgd_only(self) -> str:
+        return "normalizes each client's progress by ||a_i||_1 of SGD, heavy-ball or prox steps"
+
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
         return proximal_gradient(params, message["params"], self.config.mu or 0.0)
 

@@ -43,8 +43,10 @@ from fedloom.algorithms.fedper import FedPer, FedPerConfig
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import clone
+from fedloom.errors import ConfigError
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
-from fedloom.solvers.local import steps_per_epoch
+from fedloom.solvers.adamw import MOMENTS, adamw_step, init_moments
+from fedloom.solvers.local import LocalSolution, steps_per_epoch
 from fedloom.solvers.steps import subset_loss_grad
 
 HEAD_EPOCHS = 10
@@ -88,6 +90,14 @@ class FedRep(FedPer):
         epochs = HEAD_EPOCHS if cfg.head_epochs is None else cfg.head_epochs
         return epochs * steps_per_epoch(task.data.num_train, self.ctx.batch_size)
 
+    def phase_keys(self) -> tuple[list[str], list[str]]:
+        """The parameters of the head phase (the model's head) and of the body phase (every
+        other parameter: the shared body, and any other key kept on the client, e.g. a PEFT
+        strategy's personal factors, docs/peft.md)."""
+        params = self.split.param_keys
+        head = sorted(k for k in params if k in self.head)
+        return head, sorted(k for k in params if k not in self.head)
+
     def make_program(self) -> ClientProgram:
         return FedRepProgram(self)
 
@@ -97,13 +107,23 @@ HEAD = "fedrep/head"
 
 class FedRepProgram(ClientProgram):
     """Algorithm 1's two phases as two updates: ``head`` on the plan (seed, 'head', round, k)
-    from step 0, then ``body`` on the engine's plan from step tau_h (each client's own)."""
+    from step 0, then ``body`` on the engine's plan from step tau_h (each client's own).
+
+    With ``train.optimizer: adamw`` each phase's step is AdamW's, with moments of its own
+    keys (as ``torch.optim.AdamW`` counts steps per parameter), zero at every round's start."""
+
+    takes_optimizer = True
 
     def __init__(self, algorithm: FedRep) -> None:
         super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
         self.algorithm = algorithm
-        self.head_keys = sorted(algorithm.split.local_params)
-        self.body_keys = sorted(algorithm.split.shared_params)
+        self.optimizer = algorithm.ctx.optimizer
+        if self.optimizer is not None and self.optimizer.persist:
+            raise ConfigError(
+                "train.optimizer.moments: client: FedRep's head and body phases start their "
+                "AdamW moments at zero every round; use moments: round (docs/optimizers.md)"
+            )
+        self.head_keys, self.body_keys = algorithm.phase_keys()
         self.updates = (
             Update("head", (HEAD,), self.head_step),
             Update("body", (BATCHES,), self.body_step),
@@ -118,30 +138,38 @@ class FedRepProgram(ClientProgram):
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         params, buffers = self.algorithm.local_start(message, state, task)  # [phi^t, h_k]
-        return {"params": params, "buffers": clone(buffers)}
+        carry: Carry = {"params": params, "buffers": clone(buffers)}
+        if self.optimizer is not None:
+            for phase, keys in (("head", self.head_keys), ("body", self.body_keys)):
+                carry[f"{MOMENTS}/{phase}"] = init_moments({k: params[k] for k in keys})
+        return carry
 
     def shared(self, message: Message, task: ClientTask) -> dict:
         return {"lr": task.lr}
 
     def _phase(
-        self, keys: list[str], ops: Ops, carry: Carry, batch: Batch, lr: float
+        self, phase: str, keys: list[str], ops: Ops, carry: Carry, batch: Batch, lr: float
     ) -> tuple[Carry, dict]:
         grads, loss = subset_loss_grad(
             ops, self.model, carry["params"], keys, carry["buffers"], batch
         )
-        return {**carry, "params": ops.descend(carry["params"], grads, lr)}, {"loss": loss}
+        if self.optimizer is None:
+            return {**carry, "params": ops.descend(carry["params"], grads, lr)}, {"loss": loss}
+        slot = f"{MOMENTS}/{phase}"
+        params, moments = adamw_step(carry["params"], grads, carry[slot], lr, self.optimizer)
+        return {**carry, "params": params, slot: moments}, {"loss": loss}
 
     def head_step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
         """h <- h - lr grad_h F_k(h, phi; B), the body frozen."""
-        return self._phase(self.head_keys, ops, carry, batches[0], shared["lr"])
+        return self._phase("head", self.head_keys, ops, carry, batches[0], shared["lr"])
 
     def body_step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
         """phi <- phi - lr grad_phi F_k(h, phi; B), the head frozen."""
-        return self._phase(self.body_keys, ops, carry, batches[0], shared["lr"])
+        return self._phase("body", self.body_keys, ops, carry, batches[0], shared["lr"])
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
@@ -152,10 +180,8 @@ class FedRepProgram(ClientProgram):
         steps = head_steps + body_steps
         head_loss, body_loss = run.metric("head"), run.metric("body")
         loss = (head_loss * head_steps + body_loss * body_steps) / max(1, steps)
-        return ClientResult(
-            algorithm.split.shared(carry["params"], carry["buffers"]),
-            algorithm.client_weight(task),
-            loss,
-            state=algorithm.personal_state(state, carry["params"], carry["buffers"], steps),
-            info={"head_loss": head_loss, "body_loss": body_loss},
-        )
+        start, _ = algorithm.local_start(message, state, task)
+        solved = LocalSolution(carry["params"], carry["buffers"], loss, start, task.lr, steps)
+        result = algorithm.local_finish(message, state, task, solved)  # body up, head kept
+        result.info = {"head_loss": head_loss, "body_loss": body_loss}
+        return result

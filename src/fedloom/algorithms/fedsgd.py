@@ -23,6 +23,9 @@ class FedSGD(Algorithm):
     name = "fedsgd"
     summary = "FedSGD: one full-batch client gradient per round, server gradient step"
 
+    def sgd_only(self) -> str:
+        return "uploads the gradient read off one SGD step as (w_t - w_1) / eta"
+
     def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
         return [torch.arange(task.data.num_train)]
 

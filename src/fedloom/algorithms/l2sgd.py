@@ -129,10 +129,20 @@ class L2SGD(Algorithm):
     def init_client_state(self, server: State, client_id: int) -> State:
         return {"params": clone(server["init"]), "buffers": clone(server["buffers"])}
 
-    def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
-        steps = local_step_count(self.ctx.seed, task.round, self.config.p)
+    def coin(self, round: int) -> int:
+        """The round's N of (2), the same for every client (``local_step_count``)."""
+        return local_step_count(self.ctx.seed, round, self.config.p)
+
+    def round_steps(self, task: ClientTask) -> int:
+        """The client's local steps this round: the coin's N (``local_step_count``), or a
+        partial-mode straggler's share of it."""
+        steps = self.coin(task.round)
         if task.full:  # a partial-mode straggler does its share of the round's steps
             steps = steps * len(task.plan) // task.full
+        return steps
+
+    def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
+        steps = self.round_steps(task)
         return self.ctx.make_plan(task.data, steps, "batches", task.round, task.client_id)
 
     def make_program(self) -> ClientProgram:

@@ -63,9 +63,11 @@ class Forward:
 
 
 class ObjectiveProgram(SGDProgram):
-    """Plain SGD steps (no momentum, no gradient correction) on :meth:`objective`."""
+    """Plain SGD steps (no momentum, no gradient correction) on :meth:`objective`, or AdamW's
+    (``train.optimizer``, ``SGDProgram.descend``)."""
 
     private_step = False  # its own objective, not DP-SGD's per-sample loss
+    takes_optimizer = True
 
     head: str | None = None
     """The model's head module whose input the objective sees as ``h`` (None: h is None)."""
@@ -151,7 +153,7 @@ class ObjectiveProgram(SGDProgram):
             return self.objective(Forward(p, out, h), batch, carry, shared)
 
         grads, value = ops.value_and_grad(loss, params, buffers)
-        return {**carry, "params": ops.descend(params, grads, shared["lr"])}, {"loss": value}
+        return self.descend(ops, carry, grads, shared["lr"]), {"loss": value}
 
 
 def model_result(task: ClientTask, solved: LocalSolution, weighting: str) -> ClientResult:

@@ -37,6 +37,13 @@ Deployment (:mod:`fedloom.algorithms.meta`): every client serves w after ``adapt
 steps at alpha on its own training data (the paper: one step); new clients in the cold-start
 evaluation start at w and fine-tune at alpha (``adaptation_lr``).
 
+With ``train.optimizer: adamw`` (docs/optimizers.md) the outer (meta) step is the local
+optimizer's: w <- AdamW's step at beta on the meta-gradient, its moments zero at every
+round's start (Per-FedAvg keeps no client state, so ``moments: client`` is refused). The inner
+step temp = w - alpha grad f(w; D) stays the paper's SGD step: it is part of the objective
+F_k(w - alpha grad F_k(w)) that w is meta-learned for, and the deployment (one or
+``adapt_steps`` SGD steps at alpha) takes that same step.
+
 Buffers (BatchNorm running statistics) are updated only by the forward pass at w on D, once per
 local step as in plain local SGD; the passes at temp and the curvature pass use throwaway
 copies. Per-FedAvg keeps no client state. Its local step is one client program
@@ -53,6 +60,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.local_optimizer import LocalOptimizer
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
@@ -190,12 +198,16 @@ class PerFedAvg(AdaptedDeployment, FedAvg):
 
 
 class PerFedAvgProgram(ClientProgram):
-    """Algorithm 1's local steps: w <- w - beta * meta_gradient(w; D, D', D'')."""
+    """Algorithm 1's local steps: w <- w - beta * meta_gradient(w; D, D', D'') (with
+    ``train.optimizer: adamw``, AdamW's step at beta on the meta-gradient)."""
+
+    takes_optimizer = True
 
     def __init__(self, algorithm: PerFedAvg) -> None:
         super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
         self.algorithm = algorithm
         self.config: PerFedAvgConfig = algorithm.config
+        self.optimizer = LocalOptimizer(algorithm.ctx.optimizer)
         plans = (BATCHES, OUTER, HESSIAN) if self.config.variant == "hf" else (BATCHES, OUTER)
         self.updates = (Update("meta", plans, self.step),)
 
@@ -217,7 +229,8 @@ class PerFedAvgProgram(ClientProgram):
         return plans
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
-        return {"params": message["params"], "buffers": clone(message["buffers"])}
+        carry = {"params": message["params"], "buffers": clone(message["buffers"])}
+        return self.optimizer.start(carry, state, {"params": message["params"]})
 
     def shared(self, message: Message, task: ClientTask) -> dict:
         beta = self.config.beta if self.config.beta is not None else self.algorithm.ctx.lr
@@ -229,8 +242,11 @@ class PerFedAvgProgram(ClientProgram):
         grads, loss, meta = meta_gradient(
             ops, self.model, carry["params"], carry["buffers"], batches, self.config
         )
-        params = ops.descend(carry["params"], grads, shared["beta"])
-        return {"params": params, "buffers": carry["buffers"]}, {"loss": loss, "meta_loss": meta}
+        new = dict(carry)
+        new["params"] = self.optimizer.step(
+            new, "params", carry["params"], grads, shared["beta"], ops.descend
+        )
+        return new, {"loss": loss, "meta_loss": meta}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun

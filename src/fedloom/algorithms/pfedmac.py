@@ -79,6 +79,16 @@ lam is a slowly moving global model (theta moves eta lam = 5e-4 of (omega - thet
 personalized models, trained from it every round, carry the accuracy. A client that diverges
 anyway (non-finite loss or model) stops the run, or is dropped, per ``train.nonfinite``.
 
+With ``train.optimizer: adamw`` (docs/optimizers.md) the inner solver is the local optimizer:
+its K steps on l_k(omega; D) - lam <omega, theta_k> are AdamW's at ``inner_lr`` on the
+gradient grad l_k(omega; D) - lam theta_k, moments carried across the K steps and the R local
+steps (kept in the client state with ``moments: client``), and the l1 term's soft threshold
+soft(., p gamma) follows each AdamW step decoupled from Adam's scaling, as AdamW decouples its
+weight decay. theta_k's step toward omega stays eta lam (omega - theta_k), the gradient of
+F_k by Danskin's theorem: a fraction eta lam of the distance, which Adam's normalization would
+turn into a step of about eta whatever the distance. The growth estimate of "Stability" is
+SGD's; AdamW's inner steps have size about p per coordinate, whatever lam theta_k is.
+
 The personalized model deployed by client k is its last omega_k (its state); a client that never
 trained deploys the current global model. Each client reports the fraction of exactly-zero
 weights of its omega_k (``ClientResult.info['sparsity']``; 0 without the l1 term, whose soft
@@ -102,13 +112,14 @@ from fedloom.algorithms.base import (
     StepProgram,
     aggregate_models,
 )
+from fedloom.algorithms.local_optimizer import LocalOptimizer
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, num_bytes, scale
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
-from fedloom.solvers.steps import descend, loss_grad
+from fedloom.solvers.steps import loss_grad
 
 
 class PFedMacConfig(AlgorithmConfig):
@@ -284,15 +295,23 @@ class PFedMac(Algorithm):
 
 class PFedMacProgram(StepProgram):
     """ClientUpdate of the pseudocode (the module doc): per minibatch, K (proximal) gradient
-    steps on omega, then theta_k's step toward omega."""
+    steps on omega (``train.optimizer``'s, the module doc), then theta_k's step toward omega."""
+
+    takes_optimizer = True
+    keeps_moments = True
+
+    def __init__(self, algorithm: PFedMac) -> None:
+        super().__init__(algorithm)
+        self.optimizer = LocalOptimizer(algorithm.ctx.optimizer)
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         """theta_k <- theta^t; omega_k <- theta^t."""
-        return {
+        carry = {
             "theta": message["params"],
             "omega": message["params"],
             "buffers": clone(message["buffers"]),  # updated in place by BatchNorm
         }
+        return self.optimizer.start(carry, state, {"omega": message["params"]})
 
     def shared(self, message: Message, task: ClientTask) -> dict:
         cfg = self.algorithm.config
@@ -306,14 +325,16 @@ class PFedMacProgram(StepProgram):
         (batch,) = batches
         cfg, p = self.algorithm.config, shared["inner_lr"]
         theta, omega, loss_sum = carry["theta"], carry["omega"], 0.0
+        new = dict(carry)
         for _ in range(cfg.inner_steps):
             grads, loss = loss_grad(ops, self.model, omega, carry["buffers"], batch)
-            omega = descend(omega, {k: g - cfg.lam * theta[k] for k, g in grads.items()}, p)
+            inner = {k: g - cfg.lam * theta[k] for k, g in grads.items()}
+            omega = self.optimizer.step(new, "omega", omega, inner, p)
             if cfg.gamma > 0:
                 omega = soft_threshold(omega, p * cfg.gamma)
             loss_sum = loss_sum + loss
-        theta = {k: v + shared["step"] * (omega[k] - v) for k, v in theta.items()}
-        new = {"theta": theta, "omega": omega, "buffers": carry["buffers"]}
+        new["theta"] = {k: v + shared["step"] * (omega[k] - v) for k, v in theta.items()}
+        new["omega"] = omega
         return new, {"loss": loss_sum / cfg.inner_steps}
 
     def finish(
@@ -325,6 +346,10 @@ class PFedMacProgram(StepProgram):
             {"params": carry["theta"], "buffers": carry["buffers"]},
             weight,
             run.metric(self.STEP),
-            state={"params": carry["omega"], "buffers": carry["buffers"]},
+            state={
+                "params": carry["omega"],
+                "buffers": carry["buffers"],
+                **self.optimizer.kept(carry, ("omega",)),
+            },
             info={"sparsity": zero_fraction(carry["omega"])},
         )

@@ -28,6 +28,14 @@ here only the sampled clients train (identical without ``train.clients_per_round
 client that has not trained yet deploys the global model. The authors' personal optimizer adds
 a weight decay 0.001 theta_k to each inner step, which is not in the paper and not here.
 
+With ``train.optimizer: adamw`` (docs/optimizers.md) the inner solver is the local optimizer:
+its K steps on l_k(theta_k; b_r) + lam/2 ||theta_k - omega||^2 are AdamW's at ``inner_lr`` on
+that gradient, with moments carried across the K steps and the R local rounds (kept in the
+client state with ``moments: client``); the authors' personal optimizer is what the inner
+steps replace. omega's step (6) stays the gradient step eta lam (omega - theta_k) on the Moreau
+envelope (5): it moves omega the fraction eta lam of the way to theta_k, which Adam's
+normalization would turn into a step of about eta whatever the distance.
+
 ``lam_schedule`` decays lam over the rounds (algorithms/schedule.py; docs/cold_start.md): round t
 uses lam_t both in the prox problem and in omega's step (6).
 """
@@ -37,12 +45,13 @@ from __future__ import annotations
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram, average_buffers
+from fedloom.algorithms.local_optimizer import LocalOptimizer
 from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Ops
-from fedloom.solvers.steps import prox_sgd_step
+from fedloom.solvers.steps import loss_grad
 
 
 class PFedMeConfig(AlgorithmConfig):
@@ -85,20 +94,44 @@ class PFedMe(Algorithm):
             return server["params"], server["buffers"]
         return state["params"], state["buffers"]
 
+    # -- hooks of a model track with keys kept on the client (PEFT strategies, docs/peft.md)
+    def round_start(
+        self, message: Message, state: State | None, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """theta (omega's and theta_k's start) as client k receives it (default: the
+        broadcast)."""
+        return message["params"], message["buffers"]
+
+    def omega_result(
+        self, message: Message, state: State | None, task: ClientTask, omega: Tree, buffers: Tree
+    ) -> tuple[Message, State]:
+        """omega's upload and what the client keeps of it (default: all of it up)."""
+        return {"params": omega, "buffers": buffers}, {}
+
 
 class PFedMeProgram(StepProgram):
-    """pFedMe's local rounds: per minibatch, K prox steps on theta_k, then omega's step (6)."""
+    """pFedMe's local rounds: per minibatch, K prox steps on theta_k, then omega's step (6);
+    the K steps are ``train.optimizer``'s (the module doc)."""
+
+    takes_optimizer = True
+    keeps_moments = True
+
+    def __init__(self, algorithm: PFedMe) -> None:
+        super().__init__(algorithm)
+        self.optimizer = LocalOptimizer(algorithm.ctx.optimizer)
 
     def passes_per_step(self) -> float:
         return float(self.algorithm.config.inner_steps)
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         """omega <- theta, theta_k <- theta (the broadcast model)."""
-        return {
-            "theta": message["params"],
-            "buffers": clone(message["buffers"]),  # updated in place by BatchNorm
-            "omega": message["params"],
+        params, buffers = self.algorithm.round_start(message, state, task)
+        carry = {
+            "theta": params,
+            "buffers": clone(buffers),  # updated in place by BatchNorm
+            "omega": params,
         }
+        return self.optimizer.start(carry, state, {"theta": params})
 
     def shared(self, message: Message, task: ClientTask) -> dict:
         cfg = self.algorithm.config
@@ -111,22 +144,30 @@ class PFedMeProgram(StepProgram):
         """(6): theta_k <- K gradient steps on l_k(.; b) + lam/2 ||. - omega||^2 (warm start),
         then omega <- omega - eta lam (omega - theta_k)."""
         (batch,) = batches
-        lam, omega = shared["lam"], carry["omega"]
+        lam, omega, new = shared["lam"], carry["omega"], dict(carry)
         theta, loss_sum = carry["theta"], 0.0
         for _ in range(self.algorithm.config.inner_steps):
-            theta, loss = prox_sgd_step(
-                ops, self.model, theta, carry["buffers"], batch, shared["inner_lr"], omega, lam
+            grads, loss = loss_grad(ops, self.model, theta, carry["buffers"], batch)
+            theta = self.optimizer.step(
+                new, "theta", theta, grads, shared["inner_lr"], ops.descend, omega, lam
             )
             loss_sum = loss_sum + loss
-        omega = {k: w - shared["eta"] * lam * (w - theta[k]) for k, w in omega.items()}
-        new = {"theta": theta, "buffers": carry["buffers"], "omega": omega}
+        new["omega"] = {k: w - shared["eta"] * lam * (w - theta[k]) for k, w in omega.items()}
+        new["theta"] = theta
         return new, {"loss": loss_sum / self.algorithm.config.inner_steps}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
     ) -> ClientResult:
-        carry, cfg = run.carry, self.algorithm.config
-        upload = {"params": clone(carry["omega"]), "buffers": carry["buffers"]}
-        weight = self.algorithm.ctx.objective_weight(task.client_id, cfg.weighting)
-        new_state = {"params": carry["theta"], "buffers": carry["buffers"]}
+        carry, cfg, algorithm = run.carry, self.algorithm.config, self.algorithm
+        upload, kept = algorithm.omega_result(
+            message, state, task, clone(carry["omega"]), carry["buffers"]
+        )
+        weight = algorithm.ctx.objective_weight(task.client_id, cfg.weighting)
+        new_state = {
+            **kept,
+            **self.optimizer.kept(carry, ("theta",)),
+            "params": carry["theta"],
+            "buffers": carry["buffers"],
+        }
         return ClientResult(upload, weight, run.metric(self.STEP), state=new_state)

@@ -61,6 +61,11 @@ class Scaffold(Algorithm):
     def make_program(self) -> ClientProgram:
         return PlainSGDProgram(self, correction=self.local_correction, finish=self.local_finish)
 
+    def sgd_only(self) -> str:
+        if self.config.option == "I":
+            return ""
+        return "option II reads the mean gradient off the SGD trajectory; set option: I"
+
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         assert state is not None
         return {k: message["control"][k] - state["control"][k] for k in params}

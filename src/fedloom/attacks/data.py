@@ -21,6 +21,7 @@ import torch
 from fedloom.core.protocol import ClientData
 from fedloom.core.rng import generator
 from fedloom.data.federated import FederatedData
+from fedloom.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedloom.attacks.config import AttackConfig
@@ -69,12 +70,37 @@ def poison_client(
     return replace(client, y_train=y.to(client.y_train.dtype))
 
 
+def check_fits(config: AttackConfig, data: FederatedData) -> None:
+    """ConfigError when the attack names a class the data lacks, or a backdoor trigger larger
+    than its inputs."""
+    classes = data.num_outputs
+    for key in ("target", "source"):
+        label = getattr(config, key)
+        uses = key == "source" or config.kind == "backdoor" or config.mode != "complement"
+        if config.kind != "random_labels" and uses and label is not None and label >= classes:
+            raise ConfigError(
+                f"attack.{key}: class {label} does not exist: {data.name} has {classes} "
+                f"classes (0 to {classes - 1})"
+            )
+    if config.kind == "backdoor":
+        shape, size = tuple(data.input_shape), config.trigger.size
+        room = min(shape[-2:]) if len(shape) >= 3 else int(shape[-1] ** 0.5)
+        if size > room:
+            raise ConfigError(
+                f"attack.trigger.size: a {size} x {size} trigger does not fit {data.name}'s "
+                f"inputs of shape {list(shape)}: use at most {room}"
+            )
+
+
 def poison(
     data: FederatedData, config: AttackConfig, malicious: Sequence[int], seed: int
 ) -> FederatedData:
     """``data`` with the malicious clients' training sets poisoned (unchanged for model
     attacks)."""
-    if config.kind not in DATA_ATTACKS or not malicious:
+    if config.kind not in DATA_ATTACKS:
+        return data
+    check_fits(config, data)
+    if not malicious:
         return data
     value = config.trigger.value if config.trigger.value is not None else trigger_value(data)
     bad = set(malicious)

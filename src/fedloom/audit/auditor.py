@@ -27,6 +27,7 @@ from fedloom.audit.membership import (
 )
 from fedloom.audit.outputs import Outputs, model_logits
 from fedloom.audit.study import StudySetup, defence_tradeoff
+from fedloom.core.files import strict_json
 from fedloom.core.rng import generator
 from fedloom.data import FederatedData
 from fedloom.errors import ConfigError, unknown_name_message
@@ -92,8 +93,7 @@ def audit(
             )
     result["seconds"] = time.perf_counter() - tick
     doc.setdefault("attacks", {})[attack] = result
-    doc = _finite(doc)
-    (run.path / AUDIT_FILE).write_text(json.dumps(doc, indent=2))
+    (run.path / AUDIT_FILE).write_text(strict_json(doc, indent=2))
     from fedloom.audit.page import write_page
 
     write_page(doc, Path(out) if out is not None else run.path / PAGE_FILE)
@@ -316,18 +316,6 @@ def _existing(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float (an exact recovery's infinite PSNR) as None, so
-    that audit.json is strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 __all__ = ["ATTACKS", "AUDIT_FILE", "PAGE_FILE", "StudySetup", "audit"]

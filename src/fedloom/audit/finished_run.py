@@ -5,7 +5,6 @@ exactly as the run's own evaluation computes them (``Algorithm.deployed_model``)
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from fedloom.config import ExecutorConfig, RunConfig, load_yaml, parse_config
+from fedloom.core.files import read_json_object
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
 from fedloom.data import FederatedData, load_dataset
@@ -21,7 +21,7 @@ from fedloom.engine.loop import Engine
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.state import RunState
 from fedloom.errors import ConfigError, RunDirError
-from fedloom.models import build_model
+from fedloom.peft import build_run_model
 
 Model = tuple[Tree, Tree]
 """(params, buffers)."""
@@ -55,7 +55,7 @@ class FinishedRun:
     @property
     def summary(self) -> dict[str, Any]:
         path = self.path / "summary.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        return read_json_object(path) if path.is_file() else {}
 
 
 def load_finished_run(
@@ -72,7 +72,7 @@ def load_finished_run(
     module = (
         model
         if model is not None
-        else build_model(cfg.model.name, data.input_shape, data.num_outputs)
+        else build_run_model(cfg, data.input_shape, data.num_outputs)  # PEFT models too
     )
     # the models do not depend on where clients ran: read them back in this process
     cfg.executor = ExecutorConfig(kind="sequential")
@@ -121,7 +121,7 @@ def _check_same_data(run: RunDir, data: FederatedData) -> None:
     path = run.path / "label_histogram.json"
     if not path.is_file():
         return
-    saved = json.loads(path.read_text()).get("counts")
+    saved = read_json_object(path).get("counts")
     if saved is not None and saved != data.label_histogram():
         raise ConfigError(
             f"the data does not match the run in {run.path}: its clients' label counts differ "

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from fedloom.errors import closest
+from fedloom.errors import ConfigError, FedloomInputError, closest
 
 _UNION_TAGS = {"count", "distribution"}
 """Branch tags pydantic puts into error locations; not keys, so dropped from messages."""
@@ -54,3 +54,41 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], prefix
             shown = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
             lines.append(f"{key}: {msg}{shown}")
     return "; ".join(lines)
+
+
+INT64_MAX = 2**63 - 1
+
+
+def check_int64(raw: Any, prefix: str = "") -> None:
+    """ConfigError naming the first integer of a raw config that does not fit a signed 64-bit
+    integer (``train.rounds: 10**21`` would overflow a tensor, or run for ever)."""
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            check_int64(value, f"{prefix}{key}.")
+    elif isinstance(raw, list):
+        for value in raw:
+            check_int64(value, prefix)
+    elif isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > INT64_MAX:
+        raise ConfigError(f"{prefix.rstrip('.')}: {raw} is too large (at most 2^63 - 1)")
+
+
+MAX_CONFIG_NODES = 100_000
+"""The most values a config may expand to (YAML aliases repeat a node wherever they point)."""
+
+
+def check_plain_tree(value: Any, where: str, error: type[FedloomInputError] = ConfigError) -> None:
+    """``error`` (a ConfigError) when YAML aliases make ``value`` refer to itself
+    (``&a [*a]``) or expand past ``MAX_CONFIG_NODES`` values (an alias bomb): either would
+    exhaust recursion or memory."""
+    seen = 0
+    stack: list[tuple[Any, frozenset[int]]] = [(value, frozenset())]
+    while stack:
+        node, path = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_NODES:
+            raise error(f"{where}: expands to more than {MAX_CONFIG_NODES:,} values")
+        if isinstance(node, dict | list):
+            if id(node) in path:
+                raise error(f"{where}: a YAML alias refers to the value that holds it")
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, path | {id(node)}) for child in children)

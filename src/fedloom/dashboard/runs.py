@@ -1,7 +1,8 @@
 """The runs folder the dashboard shows: listing, safe name lookup, cached loading.
 
 A run is a direct subdirectory with a ``config.yaml``. Names from URLs are only ever looked
-up among the listed subdirectories, so no URL reaches a path outside the folder. Each run is
+up among the listed subdirectories, so no URL reaches a path outside the folder; a
+subdirectory or file that is a symlink to somewhere outside it is not listed. Each run is
 reloaded only when one of its files changed (size or modification time): the ``version``.
 """
 
@@ -16,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from fedloom.core.files import read_yaml_mapping
 from fedloom.errors import RunDirError
 from fedloom.report.compare import RunFacts, run_facts
 from fedloom.report.rundir import CONFIG_FILE, METRICS_FILE, RunData, load_run
@@ -63,13 +63,7 @@ def load_live_run(path: Path) -> RunData:
     finished its first evaluated round) loads as a run with no rounds."""
     if (path / METRICS_FILE).is_file():
         return load_run(path)
-    try:
-        config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise RunDirError(f"cannot read '{path / CONFIG_FILE}': {exc}") from exc
-    if not isinstance(config, dict):
-        raise RunDirError(f"'{path / CONFIG_FILE}' is not a YAML mapping")
-    return RunData(path, config, [], None, None, [])
+    return RunData(path, read_yaml_mapping(path / CONFIG_FILE), [], None, None, [])
 
 
 class RunsFolder:
@@ -85,13 +79,27 @@ class RunsFolder:
         self._extras: dict[tuple[str, str, str], Any] = {}
         self._lock = threading.Lock()
 
+    def contained(self, path: Path) -> bool:
+        """True when the run directory ``path`` and every file directly in it resolve inside
+        the folder: a symlink pointing elsewhere (a run, or a config.yaml linked to a file
+        outside) is neither listed nor served."""
+        try:
+            if not path.resolve().is_relative_to(self.root):
+                return False
+            with os.scandir(path) as it:
+                return all(Path(e.path).resolve().is_relative_to(self.root) for e in it)
+        except OSError:
+            return False
+
     def names(self) -> list[str]:
-        """Subdirectories holding a config.yaml, newest first (then by name)."""
+        """Subdirectories holding a config.yaml, newest first (then by name); only those
+        inside the folder (``contained``)."""
         found: list[tuple[float, str]] = []
         try:
             with os.scandir(self.root) as it:
                 for e in it:
-                    if e.is_dir() and (Path(e.path) / CONFIG_FILE).is_file():
+                    path = Path(e.path)
+                    if e.is_dir() and (path / CONFIG_FILE).is_file() and self.contained(path):
                         found.append((Path(e.path, CONFIG_FILE).stat().st_mtime, e.name))
         except OSError:
             return []
@@ -103,7 +111,7 @@ class RunsFolder:
         if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
             return None
         path = self.root / name
-        if not path.is_dir() or not (path / CONFIG_FILE).is_file():
+        if not path.is_dir() or not (path / CONFIG_FILE).is_file() or not self.contained(path):
             return None
         return path
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
 from fedloom.algorithms import Algorithm, AlgorithmContext, build_algorithm
 from fedloom.config import RunConfig, check_client_counts
 from fedloom.core import pytree
+from fedloom.core.files import one_line
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.data.federated import FederatedData
@@ -99,6 +103,29 @@ class EngineParts:
         )
 
 
+def check_model_fits(module: nn.Module, data: FederatedData, name: str) -> None:
+    """ConfigError when ``module`` cannot take one of the data's inputs (a character model on
+    images, a CNN on flat vectors): found before training, not as a crash in round 1."""
+    client = next((c for c in data.clients if c.num_train), None)
+    if client is None:
+        return
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(client.x_train[:1])
+    except (RuntimeError, ValueError, IndexError, TypeError) as err:
+        raise ConfigError(
+            f"model.name: {name} does not fit {data.name}'s inputs (one sample of shape "
+            f"{list(client.x_train.shape[1:])}, {client.x_train.dtype}): {one_line(err)[:200]}"
+        ) from None
+    finally:
+        module.train(training)
+    if not isinstance(out, torch.Tensor) or out.shape[0] != 1:
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"model.name: {name} gives {got} for one sample of {data.name}")
+
+
 def build_parts(
     config: RunConfig,
     data: FederatedData,
@@ -111,6 +138,7 @@ def build_parts(
     """The parts of a run of ``module`` on ``data`` under ``config``; ``callbacks`` run after
     the built-in evaluation, monitoring and privacy accounting and before the metrics log and
     checkpoints."""
+    check_model_fits(module, data, config.model.name)
     model = FunctionalModel(module, data.task)
     executor = make_executor(config.executor, model)
     if config.data.num_clients != data.num_clients:  # else checked when parsed
@@ -188,6 +216,7 @@ def make_algorithm(
         rounds=train.rounds,
         population={c: data.clients[c].num_train for c in train_ids},
         sample_dp=sample_dp.dpsgd if sample_dp is not None else None,
+        optimizer=train.optimizer.adamw(),
     )
     algorithm = build_peft_algorithm(config, ctx) or build_algorithm(config.algorithm, ctx)
     program = algorithm.client_program()

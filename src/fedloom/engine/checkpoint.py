@@ -243,9 +243,13 @@ def _tmp(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
-def write_checkpoint(manifest_path: Path, payload: dict[str, Any]) -> Path:
+def write_checkpoint(
+    manifest_path: Path, payload: dict[str, Any], facts: dict[str, Any] | None = None
+) -> Path:
     """Write ``payload`` as ``manifest_path`` (``.json``) and its ``.safetensors`` beside it,
-    each fsync-ed under a temporary name and then atomically renamed (see the module doc)."""
+    each fsync-ed under a temporary name and then atomically renamed (see the module doc).
+    ``facts`` go into the manifest itself, readable without the tensors (the hash of the
+    config the checkpoint was written under: ``config_sha256``)."""
     tree, tensors = encode(payload)
     tensor_path = manifest_path.with_suffix(TENSOR_SUFFIX)
     save_file(tensors, _tmp(tensor_path))
@@ -256,6 +260,7 @@ def write_checkpoint(manifest_path: Path, payload: dict[str, Any]) -> Path:
         "version": VERSION,
         "tensors": {"file": tensor_path.name, "sha256": sha, "bytes": size},
         "tree": tree,
+        **(facts or {}),
     }
     manifest["sha256"] = _manifest_sha256(manifest)
     with _tmp(manifest_path).open("w") as f:

@@ -16,18 +16,21 @@ import torch
 
 from fedloom.config import RunConfig
 from fedloom.core import pytree
+from fedloom.core.files import one_line
 from fedloom.core.protocol import ClientTask
 from fedloom.data.federated import FederatedData
 from fedloom.engine.build import EngineParts, build_parts
 from fedloom.engine.context import Callback, RunContext, merge
 from fedloom.engine.executor import Executor
 from fedloom.engine.mechanisms import Aggregator, UploadTransform
+from fedloom.engine.nonfinite import warn_all_dropped
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.shell import base_summary, checkpoint_payload
+from fedloom.engine.shell import base_summary, checkpoint_payload, note_finished
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
 from fedloom.engine.workload import client_tasks
+from fedloom.errors import RunDirError
 from fedloom.models.base import FedModel
 
 log = logging.getLogger(__name__)
@@ -95,11 +98,19 @@ class Engine(EngineParts):
     def resumed_state(self) -> RunState:
         """The state of the newest good checkpoint; metrics.jsonl rewritten to match it."""
         assert self.run_dir is not None
-        state = RunState.from_checkpoint(checkpoint_payload(self.run_dir), self.new_store())
+        saved = checkpoint_payload(self.run_dir)
+        try:
+            state = RunState.from_checkpoint(saved, self.new_store())
+            self.mechanisms.load_state_dict(state.mechanisms)
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:  # a changed config
+            raise RunDirError(
+                f"cannot resume {self.run_dir.path}: its checkpoint of round {saved['round']} "
+                f"does not fit the run's config ({type(err).__name__}: {one_line(err)[:300]})"
+            ) from None
         self.run_dir.rewrite_metrics(state.history)
         if state.executor_choice and hasattr(self.executor, "choice"):
             self.executor.choice = state.executor_choice  # resume on the same executor
-        self.mechanisms.load_state_dict(state.mechanisms)
+        note_finished(state.round, self.config.train.rounds, self.run_dir.path)
         return state
 
     def _threads(self) -> int | None:
@@ -134,6 +145,7 @@ class Engine(EngineParts):
             for callback in self.callbacks:  # each sees the metrics of those before it
                 merge(report.metrics, callback.on_round_end(ctx, state, report))
         summary = self.summary(state)
+        warn_all_dropped(self.pipeline.all_dropped, self.config.train.lr)
         for callback in self.callbacks:
             merge(summary, callback.on_run_end(ctx, state))
         for callback in self.callbacks:

@@ -29,7 +29,7 @@ from fedloom.data.missing import observed
 from fedloom.engine.sampling import POOLED_CLIENT
 from fedloom.engine.workload import most_steps
 from fedloom.errors import ConfigError
-from fedloom.privacy import ClientLevelDP, SampleLevelDP
+from fedloom.privacy import ClientLevelDP, DistributedDP, SampleLevelDP
 from fedloom.robust.aggregation import RobustAggregation
 from fedloom.robust.feature_aware import FeatureAwareAggregation, first_layer_key
 from fedloom.secure.aggregation import SecureAggregation, build_protocol
@@ -70,6 +70,12 @@ class Mechanisms(MechanismChain):
         """Sample-level DP's settings for the client programs (None when off)."""
         self.privacy: Mechanism | None = self.sample_dp or self._client_dp(buffers)
         self.secure = self._secure(buffers)
+        if self.secure is not None and config.privacy.kind == "distributed_dp":
+            train = config.train  # noise added by the clients, summed by secure aggregation
+            self.privacy = DistributedDP(
+                config.privacy, config.seed, len(self.train_ids), train.clients_per_round,
+                train.rounds, self.secure,
+            )  # fmt: skip
         compression = config.compression
         built: dict[str, Mechanism | None] = {
             "attack": attack,
@@ -88,7 +94,7 @@ class Mechanisms(MechanismChain):
     def poisson_clients(self) -> bool:
         """Whether clients are drawn by Poisson sampling (client-level DP's accounting)."""
         privacy = self.config.privacy
-        return privacy.kind == "client_dp" and privacy.sampling == "poisson"
+        return privacy.kind in ("client_dp", "distributed_dp") and privacy.sampling == "poisson"
 
     # -- construction ----------------------------------------------------------------------
     def _releasable(self, buffers: list[str]) -> None:

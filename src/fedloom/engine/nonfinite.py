@@ -10,6 +10,7 @@ aggregated, its personalized state keeps its previous value) and counts it
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,23 @@ from fedloom.errors import FedloomInputError
 
 class DivergenceError(FedloomInputError):
     """A client's training produced a non-finite loss or model (``train.nonfinite: error``)."""
+
+
+class NonFiniteWarning(UserWarning):
+    """Rounds in which every client diverged (``train.nonfinite: drop``): nothing learned."""
+
+
+def warn_all_dropped(rounds: Sequence[int], lr: float) -> None:
+    """Say, once at the end of a run, that in ``rounds`` every client was dropped."""
+    if rounds:
+        shown = ", ".join(map(str, rounds[:5])) + (" ..." if len(rounds) > 5 else "")
+        warnings.warn(
+            f"in {len(rounds)} round(s) ({shown}) every client's result was non-finite and "
+            "dropped (train.nonfinite: drop), so the server model did not change; lower "
+            f"train.lr ({lr}) or the local work",
+            NonFiniteWarning,
+            stacklevel=2,
+        )
 
 
 def _tensors(tree: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:

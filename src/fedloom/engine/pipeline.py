@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from fedloom.algorithms import Algorithm
@@ -57,6 +57,8 @@ class RoundPipeline:
     training: TrainingClients
     transforms: list[UploadTransform]
     """The caller's upload transforms, after the mechanisms' ``on_upload``."""
+    all_dropped: list[int] = field(default_factory=list)
+    """Rounds (of this process) in which every trained client was dropped as non-finite."""
 
     def dispatch(
         self, state: RunState, round: int, clients: list[int], version: int, training: list[int]
@@ -78,6 +80,9 @@ class RoundPipeline:
         sizes = {r.client_id: mechanisms.send(round, r) if communicates else 0 for r in results}
         kept = screen(tasks, results, round, algorithm.config.model_dump(), cfg.train)
         state.dropped_nonfinite += len(kept.dropped)
+        if kept.dropped and not kept.results:
+            self.all_dropped.append(round)
+            log.warning("round %d: every client's result was non-finite and dropped", round)
         for task, result in zip(kept.tasks, kept.results, strict=True):
             result.upload = self.upload(result.upload, task.client_id, round)
         down = algorithm.download_bytes(message, clients) if communicates else 0

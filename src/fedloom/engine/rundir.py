@@ -4,6 +4,7 @@ directory."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -12,6 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from fedloom.core.files import strict_json
 from fedloom.engine.checkpoint import (
     MANIFEST_SUFFIX,
     TENSOR_SUFFIX,
@@ -39,9 +43,41 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def config_sha256(config: dict[str, Any]) -> str:
+    """SHA-256 of a resolved config's canonical JSON (recorded in each checkpoint manifest)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted keys at which two configs (nested mappings) differ, sorted."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += differing_keys(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _at(config: dict[str, Any], key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+class ConfigDriftWarning(UserWarning):
+    """A run resumed under a config other than its checkpoint's (accepted explicitly)."""
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.config: dict[str, Any] | None = None
+        """The resolved config the run is under (set when config.yaml is written, or by the
+        resume that read it): each checkpoint records it and its hash."""
+        self.accept_config_change = False
+        """Resume even if config.yaml changed since the checkpoint (``check_drift``)."""
 
     # -- creation -------------------------------------------------------------------------
     @classmethod
@@ -63,11 +99,13 @@ class RunDir:
         return cls(path)
 
     @classmethod
-    def open_existing(cls, path: str | Path) -> RunDir:
+    def open_existing(cls, path: str | Path, accept_config_change: bool = False) -> RunDir:
         path = Path(path)
         if not (path / "config.yaml").is_file():
             raise RunDirError(f"{path} is not a fedloom run directory (no config.yaml)")
-        return cls(path)
+        run_dir = cls(path)
+        run_dir.accept_config_change = accept_config_change
+        return run_dir
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -84,16 +122,17 @@ class RunDir:
 
     def write_config(self, yaml_text: str) -> None:
         _atomic_write(self.config_path, yaml_text)
+        self.config = yaml.safe_load(yaml_text)
 
     def write_json(self, name: str, obj: Any) -> None:
-        _atomic_write(self.path / name, json.dumps(obj, indent=2))
+        _atomic_write(self.path / name, strict_json(obj, indent=2))
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(strict_json(row) + "\n")
 
     def rewrite_metrics(self, rows: list[dict[str, Any]]) -> None:
-        _atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+        _atomic_write(self.metrics_path, "".join(strict_json(r) + "\n" for r in rows))
 
     # -- checkpoints (engine/checkpoint.py: safetensors + a checksummed JSON manifest) ---------
     def checkpoint_path(self, round: int) -> Path:
@@ -105,7 +144,11 @@ class RunDir:
 
         Checkpoints of later rounds are removed: they belong to a run that was resumed from an
         earlier checkpoint (their own was damaged) and are superseded by this one."""
-        path = write_checkpoint(self.checkpoint_path(round), payload)
+        facts = None
+        if self.config is not None:
+            payload = {**payload, "config": self.config}
+            facts = {"config_sha256": config_sha256(self.config)}
+        path = write_checkpoint(self.checkpoint_path(round), payload, facts)
         self.prune_checkpoints(keep, newest=round)
         return path
 
@@ -170,6 +213,30 @@ class RunDir:
                 f"no good checkpoint to resume {self.path} from: " + "; ".join(failures)
             )
         return None
+
+    def check_drift(self, saved: dict[str, Any]) -> None:
+        """Resume ``saved`` (a checkpoint payload) under ``self.config`` (config.yaml as read
+        now): refused with a RunDirError naming the first differing key when the checkpoint
+        was written under another config (config.yaml edited since), unless
+        ``accept_config_change`` (then a ``ConfigDriftWarning``)."""
+        before, config = saved.get("config"), self.config
+        if config is None:
+            return
+        changed = differing_keys(before, config) if isinstance(before, dict) else []
+        if changed:
+            key = changed[0]
+            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+            what = (
+                f"{key} was {_at(before, key)!r} when round {saved.get('round')}'s checkpoint "
+                f"was written, and is {_at(config, key)!r} now{more}"
+            )
+            if not self.accept_config_change:
+                raise RunDirError(
+                    f"cannot resume {self.path}: its config changed since the checkpoint: "
+                    f"{what}. Restore config.yaml, or resume with --accept-config-change "
+                    "(accept_config_change=True) to continue under the new one"
+                )
+            warnings.warn(f"resuming under a changed config: {what}", ConfigDriftWarning, 2)
 
 
 _CHECKPOINT_NAME = re.compile(r"round_(\d+)\..*")

@@ -17,7 +17,6 @@ written to ``RUN_DIR/serving/`` as safetensors, with ``serving.json`` describing
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from safetensors.torch import save_file
 
 from fedloom.config import ServingConfig
 from fedloom.core import pytree
+from fedloom.core.files import strict_json
 from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.errors import ConfigError
@@ -243,7 +243,7 @@ class ServingCopies(Callback):
             "personal": personal,
             "serving": served,
         }
-        (folder / META_FILE).write_text(json.dumps(meta, indent=2))
+        (folder / META_FILE).write_text(strict_json(meta, indent=2))
 
 
 def check_routable(ctx: RunContext) -> None:

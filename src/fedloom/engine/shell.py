@@ -13,6 +13,7 @@ every ``checkpoint.every`` rounds and after the last (engine/checkpoint.py write
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,25 +65,46 @@ def base_summary(
 
 
 def checkpoint_payload(run_dir: RunDir) -> dict[str, Any]:
-    """The newest good checkpoint of ``run_dir``; RunDirError when there is none."""
+    """The newest good checkpoint of ``run_dir``, written under its config (``check_drift``);
+    RunDirError when there is none."""
     saved = run_dir.latest_checkpoint()
     if saved is None:
         raise RunDirError(f"{run_dir.path} has no checkpoint to resume from")
+    run_dir.check_drift(saved)
     return saved
 
 
+def note_finished(done: int, rounds: int, path: Path) -> None:
+    """Warn that a resumed run has nothing left to do (its last round is checkpointed)."""
+    if done >= rounds:
+        warnings.warn(
+            f"{path} finished all {rounds} rounds already: nothing to resume; its summary is "
+            "written again from the last checkpoint",
+            ResumeWarning,
+            stacklevel=2,
+        )
+
+
+class ResumeWarning(UserWarning):
+    """Something a resume did not do (a finished run has no rounds left)."""
+
+
 def open_for_resume(
-    path: str | Path, parse: Callable[[Any], Any], given: Any = None
+    path: str | Path,
+    parse: Callable[[Any], Any],
+    given: Any = None,
+    accept_config_change: bool = False,
 ) -> tuple[RunDir, Any]:
     """The run directory ``path`` and its parsed config.yaml; RunDirError when ``given`` (a
     config to check against) differs from it."""
-    run_dir = RunDir.open_existing(path)
+    run_dir = RunDir.open_existing(path, accept_config_change)
     cfg = parse(run_dir.config_path)
     if given is not None and parse(given).to_dict() != cfg.to_dict():
         raise RunDirError(
             f"cannot resume {run_dir.path}: its config.yaml differs from the given config; "
             "resume without a config, or start a new run"
         )
+    run_dir.config = cfg.to_dict()
     return run_dir, cfg
 
 
@@ -128,13 +150,14 @@ class RunShell:
         out: str | Path | None,
         write: bool,
         resume: str | Path | None,
+        accept_config_change: bool = False,
     ) -> tuple[RunShell, Any, Any]:
         """(shell, parsed config, saved state or None): a new run of ``config``, or the run
         directory ``resume`` continued from its newest checkpoint (``config``, if given, must
         be its config.yaml's). ``timing(cfg)``: the shell's ``rounds``, ``eval_every`` and
         ``checkpoint`` of a parsed config."""
         if resume is not None:
-            run_dir, cfg = open_for_resume(resume, parse, config)
+            run_dir, cfg = open_for_resume(resume, parse, config, accept_config_change)
             shell = cls(run_dir, **timing(cfg))
             return shell, cfg, shell.resume()
         cfg = parse(config)
@@ -151,6 +174,8 @@ class RunShell:
         if saved is None:
             self.run_dir.rewrite_metrics([])
             return None
+        self.run_dir.check_drift(saved)
+        note_finished(int(saved["round"]), self.rounds, self.run_dir.path)
         self.history = list(saved["history"])
         self.start_round = int(saved["round"])
         self._start = time.perf_counter() - float(saved["wall_seconds"])

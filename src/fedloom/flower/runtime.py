@@ -24,7 +24,7 @@ from fedloom.engine.loop import Engine
 from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import run_threads
 from fedloom.errors import ConfigError
-from fedloom.models import build_model
+from fedloom.peft import build_run_model
 
 RUN_CONFIG_PREFIX = "fedloom."
 """Keys of a Flower run config (``[tool.flwr.app.config]``, ``flwr run --run-config``) that
@@ -98,7 +98,7 @@ class ConfigSource:
         module = (
             self.model()
             if self.model is not None
-            else build_model(cfg.model.name, data.input_shape, data.num_outputs)
+            else build_run_model(cfg, data.input_shape, data.num_outputs)
         )
         return Engine(cfg, data, module)
 

@@ -7,17 +7,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedloom.algorithms import Algorithm, AlgorithmContext, build_algorithm
+from fedloom.algorithms import (
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmContext,
+    build_algorithm,
+    parse_algorithm_config,
+)
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
+from fedloom.models import build_model
+from fedloom.models.base import FedModel
 from fedloom.models.transformer import (
     PeftSpec,
     PeftTransformer,
     Streams,
     build_peft_transformer,
 )
-from fedloom.peft.algorithm import PeftFedAvg
+from fedloom.peft.algorithm import PeftFedAvg, PeftFedPer, PeftFedRep
 from fedloom.peft.config import PeftConfig
+from fedloom.peft.personal import PeftAPFL, PeftDitto, PeftPFedMe
+from fedloom.peft.sharing import Pruning, StrategySharing
 
 if TYPE_CHECKING:
     from fedloom.config import RunConfig
@@ -59,10 +69,19 @@ def build_peft_model(config: RunConfig, num_outputs: int) -> PeftTransformer:
     )
 
 
+def build_run_model(config: RunConfig, input_shape: tuple[int, ...], num_outputs: int) -> FedModel:
+    """The model a run of ``config`` trains: the PEFT transformer when it has a ``peft``
+    section, else ``model.name`` from the model registry (what ``fedloom.run`` builds, for
+    the tools that rebuild a finished run's models: ``fedloom audit``)."""
+    if config.peft is not None:
+        return build_peft_model(config, num_outputs)
+    return build_model(config.model.name, input_shape, num_outputs)
+
+
 def needs_peft_server(cfg: PeftConfig) -> bool:
-    """Whether the strategy needs PEFT's own server step (personal keys, ranks, residuals,
-    the spherical prompt mean)."""
-    if cfg.head == "personal" or cfg.rank_by_size:
+    """Whether the strategy needs PEFT's own pieces (personal keys, ranks, residuals, the
+    spherical prompt mean)."""
+    if cfg.head == "personal" or cfg.rank_by_size or cfg.prune_strength > 0:
         return True
     if cfg.kind == "lora":
         return cfg.share not in PLAIN_SHARES
@@ -73,6 +92,40 @@ def needs_peft_server(cfg: PeftConfig) -> bool:
     return False
 
 
+ALGORITHMS: dict[str, type] = {
+    "fedavg": PeftFedAvg,
+    "fedper": PeftFedPer,
+    "fedrep": PeftFedRep,
+    "ditto": PeftDitto,
+    "apfl": PeftAPFL,
+    "pfedme": PeftPFedMe,
+}
+"""The algorithms that take a strategy with personal state (docs/peft.md, "Algorithms")."""
+PRUNING = ("fedavg", "fedper", "ditto")
+"""Those whose local steps take the self-pruning penalty (FedAvg's SGD program: FedPer's
+and Ditto's global update are it; FedRep's phases, APFL's and pFedMe's steps are their own)."""
+
+
+def make_sharing(config: RunConfig, ctx: AlgorithmContext) -> StrategySharing:
+    """The strategy of the ``peft`` section on the run's model."""
+    cfg = config.peft
+    assert cfg is not None
+    model = ctx.model
+    return StrategySharing(
+        model.module.spec,
+        list(model.param_keys),
+        list(model.buffer_keys),
+        head=cfg.head,
+        scale=float(getattr(model.module, "scale", 1.0)),
+        seed=ctx.seed,
+        population=ctx.population,
+        num_clients=ctx.num_clients,
+        rank_by_size=cfg.rank_by_size,
+        aggregation=cfg.aggregation,
+        pruning=Pruning(cfg.prune_strength, cfg.prune_decay),
+    )
+
+
 def build_peft_algorithm(config: RunConfig, ctx: AlgorithmContext) -> Algorithm | None:
     """The algorithm for a PEFT run, or None when the named algorithm runs as it is."""
     cfg = config.peft
@@ -81,31 +134,60 @@ def build_peft_algorithm(config: RunConfig, ctx: AlgorithmContext) -> Algorithm 
         return None
     if not isinstance(ctx.model.module, PeftTransformer):
         raise ConfigError("peft: the model must be a PEFT model (model.name: minilm | tiny_bert)")
-    if name != "fedavg":
+    if name not in ALGORITHMS:
         raise ConfigError(
-            f"peft: {_what(cfg)} needs PEFT's own server step, which runs with algorithm.name: "
-            f"fedavg; {name} personalizes in its own way: use it with peft.share: both or ffa "
-            "(lora), adapters, or prompts with aggregation: mean and no personal prompt"
+            f"peft: {_what(cfg)} keeps state on each client or takes its own server step, "
+            f"which algorithm.name: {name} has no place for; use one of "
+            f"{', '.join(ALGORITHMS)}, or peft.share: both or ffa (lora), adapters, or "
+            "prompts with aggregation: mean and no personal prompt (docs/peft.md)"
         )
-    exact = (
-        cfg.rank_by_size
-        or (cfg.kind == "lora" and cfg.share in ("flora", "fedex"))
-        or (cfg.kind == "prompt" and cfg.aggregation == "spherical")
-    )
-    if exact and (config.privacy.kind == "client_dp" or config.secure_aggregation.kind != "none"):
+    sharing = make_sharing(config, ctx)
+    _check(config, name, sharing)
+    algorithm = config.algorithm
+    if not isinstance(algorithm, AlgorithmConfig):
+        algorithm = parse_algorithm_config(algorithm)
+    return ALGORITHMS[name](algorithm, ctx, sharing)
+
+
+def _check(config: RunConfig, name: str, sharing: StrategySharing) -> None:
+    """The combinations a strategy refuses (docs/peft.md, "Algorithms")."""
+    cfg = config.peft
+    assert cfg is not None
+    options = config.algorithm.model_dump()
+    if cfg.prune_strength > 0 and name not in PRUNING:
+        raise ConfigError(
+            f"peft.prune_strength: the self-pruning penalty enters FedAvg's local SGD "
+            f"({', '.join(PRUNING)}); {name}'s local steps are its own"
+        )
+    inner = options.get("global_algorithm", {}).get("name", "fedavg")
+    if name == "ditto" and inner != "fedavg":
+        raise ConfigError(
+            f"algorithm.global_algorithm: with peft: {_what(cfg)} Ditto's global algorithm is "
+            f"FedAvg with the strategy; got {inner}"
+        )
+    if name == "apfl" and options.get("final_averaging"):
+        raise ConfigError(
+            f"algorithm.final_averaging: APFL's iterate averages of theta are not defined with "
+            f"peft: {_what(cfg)} (kept keys, ranks, residuals); set it to false"
+        )
+    if name == "pfedme" and options.get("beta", 1.0) != 1.0 and sharing.exact:
+        raise ConfigError(
+            f"algorithm.beta: pFedMe's extrapolation (7) needs a mean; peft: {_what(cfg)} "
+            "takes its own server step; set beta: 1"
+        )
+    if sharing.exact and (
+        config.privacy.kind == "client_dp" or config.secure_aggregation.kind != "none"
+    ):
         raise ConfigError(
             f"peft: {_what(cfg)} computes with each client's upload (products, norms, "
             "directions), which client-level DP and secure aggregation hide; use share a, b, "
             "both or ffa, or aggregation: mean"
         )
-    return PeftFedAvg(
-        config.algorithm, ctx, ctx.model.module.spec, cfg.head, cfg.rank_by_size, cfg.aggregation
-    )
 
 
 def _what(cfg: PeftConfig) -> str:
-    if cfg.rank_by_size:
-        return "rank_by_size (HetLoRA)"
+    if cfg.rank_by_size or cfg.prune_strength > 0:
+        return "HetLoRA (rank_by_size, prune_strength)"
     if cfg.head == "personal":
         return "head: personal"
     if cfg.kind == "lora":

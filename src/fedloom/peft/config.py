@@ -28,6 +28,11 @@ class PeftConfig(StrictModel):
     rank_by_size: bool = False
     """HetLoRA with fedloom's size rule (docs/peft.md) r_k = floor(r log(n_k + 1) /
     log(n_max + 1)) (share both)."""
+    prune_strength: float = Field(default=0.0, ge=0.0)
+    """HetLoRA's rank self-pruning (Cho et al. 2024, sec. 3.2): lambda of the penalty on the
+    norm of the rank's tail B[:, t:r_k] A[t:r_k] (0: off; share both)."""
+    prune_decay: float = Field(default=0.9, gt=0.0, lt=1.0)
+    """gamma: the tail starts at t = max(1, floor(gamma r_k)), a pruned client keeps t ranks."""
     head: Literal["shared", "personal"] = "shared"
     bottleneck: int = Field(default=16, ge=1)
     prompt_length: int = Field(default=8, ge=0)
@@ -46,6 +51,11 @@ class PeftConfig(StrictModel):
             raise ConfigError(
                 "peft.rank_by_size: HetLoRA's ranks need kind: lora and share: both "
                 f"(got kind: {self.kind}, share: {self.share})"
+            )
+        if self.prune_strength > 0 and (self.kind != "lora" or self.share != "both"):
+            raise ConfigError(
+                "peft.prune_strength: HetLoRA's rank self-pruning needs kind: lora and share: "
+                f"both (got kind: {self.kind}, share: {self.share})"
             )
         if self.kind == "prompt" and self.prompt_length + self.personal_prompt_length == 0:
             raise ConfigError("peft.prompt_length: prompt tuning needs at least one prompt token")

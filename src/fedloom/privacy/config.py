@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -31,9 +32,15 @@ class PrivacyConfig(StrictModel):
     - ``sample_dp``: DP-SGD inside every client (Abadi et al. 2016, Opacus's semantics):
       Poisson minibatches of expected size ``train.batch_size``, each per-sample gradient
       clipped to L2 norm ``clip``, Gaussian noise of std ``noise_multiplier * clip`` on their
-      sum; each client's steps accounted with Opacus, the largest epsilon reported."""
+      sum; each client's steps accounted with Opacus, the largest epsilon reported.
+    - ``distributed_dp``: the distributed discrete Gaussian (Kairouz, Liu, Steinke 2021): each
+      client clips its update to L2 norm ``clip``, rotates, rounds it to the grid of scale
+      ``gamma``, adds its share of discrete Gaussian noise and reduces it modulo 2^``bits``
+      before secure aggregation (secagg or secagg_plus) sums it; the sum carries noise of std
+      ``noise_multiplier * clip`` even though the server never sees one update. Accounted with
+      the paper's bound for sums of discrete Gaussians (privacy/ddg_accounting.py)."""
 
-    kind: Literal["none", "client_dp", "sample_dp"] = "none"
+    kind: Literal["none", "client_dp", "sample_dp", "distributed_dp"] = "none"
     noise_multiplier: float | None = Field(default=None, ge=0.0)
     target_epsilon: float | None = Field(default=None, gt=0.0)
     """Instead of ``noise_multiplier``: the smallest noise that keeps epsilon at the last round
@@ -51,6 +58,20 @@ class PrivacyConfig(StrictModel):
     exactly train.clients_per_round of them (the accountant's q = m / N is then the usual
     approximation). sample_dp always draws Poisson minibatches and leaves client sampling as
     train sets it."""
+    bits: int = Field(default=16, ge=2, le=32)
+    """distributed_dp: b, each coordinate's bits: the sum is computed modulo 2^b."""
+    beta: float = Field(default=math.exp(-0.5), ge=0.0, lt=1.0)
+    """distributed_dp: conditional rounding's bound (0: unconditional; the paper's
+    exp(-1/2))."""
+    gamma: float | None = Field(default=None, gt=0.0)
+    """distributed_dp: the grid's scale (null: k_stddevs standard deviations of the sum fill
+    the 2^bits values, the paper's Section 4.4)."""
+    k_stddevs: float = Field(default=4.0, gt=0.0)
+    """distributed_dp: the standard deviations of the sum that the modular range holds when
+    gamma is derived."""
+    dropout_share: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """distributed_dp: the share of a round's clients that may drop out with the sum still
+    carrying the target noise: each client adds 1 / (n - floor(share n)) of the variance."""
 
     @model_validator(mode="after")
     def _complete(self) -> PrivacyConfig:
@@ -60,4 +81,14 @@ class PrivacyConfig(StrictModel):
             raise ValueError("set exactly one of noise_multiplier and target_epsilon")
         if self.kind == "sample_dp" and self.adaptive_clip is not None:
             raise ValueError("adaptive_clip applies to kind client_dp only")
+        if self.kind == "distributed_dp" and self.adaptive_clip is not None:
+            raise ValueError("adaptive_clip applies to kind client_dp only")
+        if self.kind == "distributed_dp" and self.accountant != "rdp":
+            raise ValueError(
+                "accountant: distributed_dp is accounted with the paper's RDP bound (rdp)"
+            )
+        fields = type(self).model_fields
+        for key in ("bits", "beta", "gamma", "k_stddevs", "dropout_share"):
+            if self.kind != "distributed_dp" and getattr(self, key) != fields[key].default:
+                raise ValueError(f"{key} applies to kind distributed_dp, not {self.kind}")
         return self

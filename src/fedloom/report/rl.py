@@ -65,7 +65,7 @@ def training_panel(run: RunData) -> Panel:
         "rl_training",
         "Training episodes and loss",
         "Mean return of the episodes the agents played while training (exploring), and the "
-        "learner's loss (REINFORCE's surrogate or the TD error) on the right axis.",
+        "learner's loss (REINFORCE's surrogate, PPO's loss or the TD error) on the right axis.",
         wide=False,
     )
     if not run.rounds:

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from fedloom.core.files import read_yaml_mapping
 from fedloom.errors import RunDirError
 
 CONFIG_FILE = "config.yaml"
@@ -129,15 +128,7 @@ def load_run(run_dir: str | Path) -> RunData:
 
 
 def _load_config(path: Path) -> dict[str, Any]:
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise RunDirError(f"cannot read '{path}': {exc}") from exc
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        raise RunDirError(f"'{path}' is not a YAML mapping")
-    return config
+    return read_yaml_mapping(path)
 
 
 def _load_metrics(path: Path, notes: list[str]) -> list[dict[str, Any]]:

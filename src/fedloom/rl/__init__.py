@@ -1,8 +1,9 @@
 """Federated reinforcement learning (docs/rl.md; issue #18).
 
-- horizontal FRL: PAvg, personalized PAvg, QAvg and local baselines on K agents with their own
-  environment physics, run as one stacked tensor program (``horizontal``, ``policy_gradient``,
-  ``dqn``, ``aggregate``);
+- horizontal FRL: PAvg (REINFORCE or PPO agents), personalized PAvg, QAvg (DQN or Double DQN)
+  and local baselines on K agents with their own environment physics, run as one stacked
+  tensor program (``horizontal``, ``policy_gradient``, ``ppo``, ``ppo_agents``, ``dqn``,
+  ``stream``, ``aggregate``);
 - vertical federated DQN (Zhuo et al. 2019) and the baselines of docs/rl.md (``vertical_dqn``,
   ``vertical_agents``);
 - environments: a torch-batched CartPole equal to Gymnasium's step (``cartpole``) and any

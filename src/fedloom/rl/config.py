@@ -5,14 +5,17 @@ seed: 0
 data: {name: cartpole, num_clients: 4, envs_per_client: 16,
        cartpole: {lengths: [0.25, 0.5, 1.0, 1.5], unseen_lengths: [2.0, 3.0]}}
 model: {name: mlp_policy, hidden: [32]}
-algorithm: {name: pavg}   # pavg | pavg_embedding | qavg | local | local_dqn | vertical_dqn
+algorithm: {name: pavg}   # pavg | pavg_embedding | pavg_ppo | pavg_ppo_embedding | local_ppo
+                          # | qavg | local | local_dqn | vertical_dqn
 train: {rounds: 20, local_steps: 5, lr: 0.01}   # local_steps: E local updates per round
 eval: {every: 1, episodes: 20}
 aggregator: {kind: mean}  # or any robust rule of docs/security.md
 ```
 
-A round is E = ``train.local_steps`` local updates (REINFORCE iterations, or DQN iterations of
-one environment step and ``grad_steps`` TD steps) followed by the server's aggregation. This
+A round is E = ``train.local_steps`` local updates (REINFORCE iterations, PPO iterations of
+``num_steps`` environment steps and ``update_epochs`` x ``num_minibatches`` Adam steps, or DQN
+iterations of one environment step and ``grad_steps`` TD steps) followed by the server's
+aggregation. This
 module imports nothing heavy: the API uses it to recognise an RL config.
 """
 
@@ -30,12 +33,27 @@ from fedloom.config import (
     CompressionConfig,
     PrivacyConfig,
     StrictModel,
+    load_yaml,
 )
-from fedloom.core.validation import format_validation_error
+from fedloom.core.settings import Seed
+from fedloom.core.validation import check_int64, format_validation_error
 from fedloom.errors import ConfigError, unknown_name_message
 
 RL_ENVS = ("cartpole", "acrobot")
-RL_ALGORITHMS = ("pavg", "pavg_embedding", "qavg", "local", "local_dqn", "vertical_dqn")
+RL_ALGORITHMS = (
+    "pavg",
+    "pavg_embedding",
+    "pavg_ppo",
+    "pavg_ppo_embedding",
+    "local_ppo",
+    "qavg",
+    "local",
+    "local_dqn",
+    "vertical_dqn",
+)
+AVERAGING = ("pavg", "pavg_embedding", "pavg_ppo", "pavg_ppo_embedding", "qavg")
+"""The algorithms with a server: the agents' networks are aggregated every E local updates."""
+PPO = ("pavg_ppo", "pavg_ppo_embedding", "local_ppo")
 
 
 class CartPoleOptions(StrictModel):
@@ -116,6 +134,52 @@ class LocalConfig(_Algorithm):
     name: Literal["local"] = "local"
 
 
+class PPOKeys(_Algorithm):
+    """PPO's keys (Schulman et al. 2017; GAE, Schulman et al. 2016), defaulting to CleanRL's
+    ``ppo.py`` for CartPole (its ``num_envs`` 4 is ``data.envs_per_client``)."""
+
+    num_steps: int = Field(default=128, ge=1)
+    """Steps of every environment per PPO iteration (the rollout length)."""
+    gae_lambda: float = Field(default=0.95, ge=0.0, le=1.0)
+    num_minibatches: int = Field(default=4, ge=1)
+    """Minibatches per epoch; must divide num_steps x data.envs_per_client."""
+    update_epochs: int = Field(default=4, ge=1)
+    clip_coef: float = Field(default=0.2, gt=0.0)
+    clip_vloss: bool = True
+    """Clip the value update around the rollout's values (CleanRL's clipped value loss)."""
+    norm_adv: bool = True
+    """Standardise the advantages within each minibatch."""
+    ent_coef: float = Field(default=0.01, ge=0.0)
+    vf_coef: float = Field(default=0.5, ge=0.0)
+    max_grad_norm: float = Field(default=0.5, gt=0.0)
+    """Each agent's gradient is clipped to this global norm."""
+    anneal_lr: bool = True
+    """Anneal Adam's step size linearly to 0 over the run's iterations."""
+    adam_eps: float = Field(default=1e-5, gt=0.0)
+
+
+class PAvgPPOConfig(PPOKeys):
+    """PAvg with PPO agents: actor and critic averaged every E PPO iterations."""
+
+    name: Literal["pavg_ppo"] = "pavg_ppo"
+    mu: float = Field(default=0.0, ge=0.0)
+    """FedProx's proximal coefficient on the local updates (0: plain averaging)."""
+
+
+class PAvgPPOEmbeddingConfig(PAvgPPOConfig):
+    """PPO agents with a learned per-environment embedding concatenated to the state of actor
+    and critic (Jin et al. 2022); the embedding is never averaged."""
+
+    name: Literal["pavg_ppo_embedding"] = "pavg_ppo_embedding"  # type: ignore[assignment]
+    embedding_dim: int = Field(default=2, ge=1)
+
+
+class LocalPPOConfig(PPOKeys):
+    """Independent PPO agents: the local baseline (no communication)."""
+
+    name: Literal["local_ppo"] = "local_ppo"
+
+
 class _DQN(_Algorithm):
     buffer: int = Field(default=50_000, ge=1)
     batch_size: int = Field(default=128, ge=1)
@@ -130,14 +194,23 @@ class _DQN(_Algorithm):
     explore_fraction: float = Field(default=0.3, gt=0.0, le=1.0)
 
 
-class QAvgConfig(_DQN):
+class _HorizontalDQN(_DQN):
+    double: bool = False
+    """Double DQN (van Hasselt et al. 2016): the online network picks the next action, the
+    target network values it."""
+
+
+class QAvgConfig(_HorizontalDQN):
     """QAvg: DQN locally, Q-networks averaged every E iterations (Jin et al. 2022)."""
 
     name: Literal["qavg"] = "qavg"
     mu: float = Field(default=0.0, ge=0.0)
+    global_target: bool = True
+    """A target copy made during a round is replaced by that round's global Q-network (no
+    extra traffic); false: each agent keeps its local pre-averaging copy."""
 
 
-class LocalDQNConfig(_DQN):
+class LocalDQNConfig(_HorizontalDQN):
     name: Literal["local_dqn"] = "local_dqn"
 
 
@@ -168,6 +241,9 @@ Algorithm = Annotated[
     PAvgConfig
     | PAvgEmbeddingConfig
     | LocalConfig
+    | PAvgPPOConfig
+    | PAvgPPOEmbeddingConfig
+    | LocalPPOConfig
     | QAvgConfig
     | LocalDQNConfig
     | VerticalDQNConfig,
@@ -180,6 +256,9 @@ RL_ALGORITHM_CONFIGS: dict[str, type[_Algorithm]] = {
         PAvgConfig,
         PAvgEmbeddingConfig,
         LocalConfig,
+        PAvgPPOConfig,
+        PAvgPPOEmbeddingConfig,
+        LocalPPOConfig,
         QAvgConfig,
         LocalDQNConfig,
         VerticalDQNConfig,
@@ -187,7 +266,7 @@ RL_ALGORITHM_CONFIGS: dict[str, type[_Algorithm]] = {
 }
 """Each RL algorithm's config class by name (``fedloom algorithms``)."""
 
-DEFAULT_LR = {"reinforce": 0.01, "dqn": 5e-4}
+DEFAULT_LR = {"reinforce": 0.01, "ppo": 2.5e-4, "dqn": 5e-4}
 
 
 class RLTrainConfig(StrictModel):
@@ -195,7 +274,7 @@ class RLTrainConfig(StrictModel):
     local_steps: int = Field(default=5, ge=1)
     """E: local updates between two aggregations."""
     lr: float | None = Field(default=None, gt=0.0)
-    """Adam's step size (null: 0.01 for REINFORCE, 5e-4 for DQN)."""
+    """Adam's step size (null: 0.01 for REINFORCE, 2.5e-4 for PPO, 5e-4 for DQN)."""
     clients_per_round: int | None = Field(default=None, ge=1)
     """Agents whose update the server aggregates each round, sampled without replacement
     from a seeded stream as horizontal runs do (engine/sampling.py); null: every agent."""
@@ -212,7 +291,7 @@ class RLRunConfig(StrictModel):
     kind: Literal["rl"] = "rl"
     """The run family (docs/rl.md, "The kind key"); optional here, inferred once by
     ``fedloom.api.run_kind`` when absent."""
-    seed: int = 0
+    seed: Seed = 0
     data: RLDataConfig = RLDataConfig()
     model: RLModelConfig = RLModelConfig()
     algorithm: Algorithm = PAvgConfig()
@@ -240,8 +319,13 @@ class RLRunConfig(StrictModel):
         ]
         if on and not self.averages:
             raise ValueError(
-                f"{', '.join(on)}: {self.algorithm.name} does not aggregate (use pavg, "
-                "pavg_embedding or qavg)"
+                f"{', '.join(on)}: {self.algorithm.name} does not aggregate (use "
+                f"{', '.join(AVERAGING)})"
+            )
+        if self.privacy.kind == "distributed_dp":
+            raise ValueError(
+                "privacy.kind distributed_dp needs secure aggregation, which RL runs do not "
+                "have; use client_dp"
             )
         if self.privacy.kind == "sample_dp":
             raise ValueError(
@@ -263,6 +347,12 @@ class RLRunConfig(StrictModel):
             raise ValueError(
                 "compression.download: the agents' broadcast is not compressed in RL runs"
             )
+        if self.aggregator.kind == "feature_aware":
+            raise ValueError(
+                "aggregator.kind feature_aware averages the input columns of clients with "
+                "missing features (docs/security.md); RL agents observe every feature: use "
+                "mean or a robust rule"
+            )
         return self
 
     @model_validator(mode="after")
@@ -281,17 +371,26 @@ class RLRunConfig(StrictModel):
         per_round = self.train.clients_per_round
         if per_round is not None and (not self.averages or per_round > self.data.num_clients):
             raise ValueError(
-                f"train.clients_per_round {per_round}: needs an averaging algorithm (pavg, "
-                f"pavg_embedding, qavg) and at most data.num_clients ({self.data.num_clients})"
+                f"train.clients_per_round {per_round}: needs an averaging algorithm "
+                f"({', '.join(AVERAGING)}) and at most data.num_clients ({self.data.num_clients})"
             )
+        if isinstance(algo, PPOKeys):
+            batch = algo.num_steps * self.data.envs_per_client
+            if batch % algo.num_minibatches:
+                raise ValueError(
+                    f"algorithm.num_minibatches {algo.num_minibatches} must divide the rollout "
+                    f"of algorithm.num_steps x data.envs_per_client = {batch} transitions"
+                )
         return self
 
     @property
     def averages(self) -> bool:
-        return self.algorithm.name in ("pavg", "pavg_embedding", "qavg")
+        return self.algorithm.name in AVERAGING
 
     @property
     def learner(self) -> str:
+        if self.algorithm.name in PPO:
+            return "ppo"
         return "reinforce" if self.algorithm.name in ("pavg", "pavg_embedding", "local") else "dqn"
 
     @property
@@ -302,7 +401,7 @@ class RLRunConfig(StrictModel):
     def activation(self) -> str:
         if self.model.activation is not None:
             return self.model.activation
-        return "tanh" if self.learner == "reinforce" else "relu"
+        return "relu" if self.learner == "dqn" else "tanh"
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -323,13 +422,7 @@ def is_rl_config(raw: Any) -> bool:
     data, algo = raw.get("data"), raw.get("algorithm")
     name = data.get("name") if isinstance(data, dict) else None
     algo_name = algo.get("name") if isinstance(algo, dict) else algo
-    return name in RL_ENVS or algo_name in (
-        "pavg",
-        "pavg_embedding",
-        "qavg",
-        "local_dqn",
-        "vertical_dqn",
-    )
+    return name in RL_ENVS or (algo_name in RL_ALGORITHMS and algo_name != "local")
 
 
 def parse_rl_config(raw: Any) -> RLRunConfig:
@@ -337,9 +430,10 @@ def parse_rl_config(raw: Any) -> RLRunConfig:
     if isinstance(raw, RLRunConfig):
         return raw
     if isinstance(raw, str | Path):
-        raw = yaml.safe_load(Path(raw).read_text())
+        raw = load_yaml(raw)
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    check_int64(raw)
     algo = raw.get("algorithm")
     name = algo.get("name") if isinstance(algo, dict) else algo
     if name is not None and name not in RL_ALGORITHMS:

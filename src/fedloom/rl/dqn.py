@@ -7,7 +7,10 @@ Per iteration every agent takes one epsilon-greedy step in each of its N environ
 
     l(theta) = (Q_theta(s, a) - (r + gamma (1 - terminated) max_a' Q_target(s', a')))^2,
 
-with a target network copied every ``target_every`` iterations. ``terminated`` is the TD
+with a target network copied every ``target_every`` iterations; with ``double`` (Double DQN,
+van Hasselt, Guez and Silver, AAAI 2016, eq. (4)) the target is
+r + gamma (1 - terminated) Q_target(s', argmax_a' Q_theta(s', a')): the online network selects,
+the target network evaluates. ``terminated`` is the TD
 ``done`` flag; the 500-step truncation is not (Pardo et al., ICML 2018, "Time Limits in
 Reinforcement Learning"): the next state still bootstraps.
 """
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.rl.nets import OnlineAndTarget, init_mlp, mlp
+from fedloom.rl.stream import EnvStream
 from fedloom.solvers.steps import proximal_gradient
 
 
@@ -112,10 +116,19 @@ def epsilon_greedy(q: torch.Tensor, eps: float, gen: torch.Generator) -> torch.T
 
 
 def td_target(
-    next_q_target: torch.Tensor, rewards: torch.Tensor, terminated: torch.Tensor, gamma: float
+    next_q_target: torch.Tensor,
+    rewards: torch.Tensor,
+    terminated: torch.Tensor,
+    gamma: float,
+    next_q_online: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """r + gamma (1 - terminated) max_a' Q_target(s', a')."""
-    return rewards + gamma * (1.0 - terminated) * next_q_target.max(-1).values
+    """r + gamma (1 - terminated) max_a' Q_target(s', a'); with ``next_q_online`` (Double
+    DQN) r + gamma (1 - terminated) Q_target(s', argmax_a' Q_online(s', a'))."""
+    if next_q_online is None:
+        value = next_q_target.max(-1).values
+    else:
+        value = next_q_target.gather(-1, next_q_online.argmax(-1, keepdim=True)).squeeze(-1)
+    return rewards + gamma * (1.0 - terminated) * value
 
 
 def td_loss(q: torch.Tensor, actions: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -138,9 +151,11 @@ class StackedQ(OnlineAndTarget):
         gen: torch.Generator,
         activation: str = "relu",
         features: list[int] | None = None,
+        double: bool = False,
     ) -> None:
         super().__init__(init_mlp(sizes, agents, gen, prefix="q."), lr)
         self.gamma, self.activation, self.features = gamma, activation, features
+        self.double = double
         self.anchor: Tree | None = None
         """QAvg with FedProx: the last broadcast Q-network, stacked (set by the server)."""
         self.mu = 0.0
@@ -159,8 +174,13 @@ class StackedQ(OnlineAndTarget):
     def update(self, batch: Batch, gen: torch.Generator | None = None) -> float:
         """One Adam step on the TD loss (+ FedProx's proximal term towards ``anchor``)."""
         with torch.no_grad():
+            online = self.q(batch.next_obs) if self.double else None
             target = td_target(
-                self.q(batch.next_obs, self.target), batch.rewards, batch.terminated, self.gamma
+                self.q(batch.next_obs, self.target),
+                batch.rewards,
+                batch.terminated,
+                self.gamma,
+                online,
             )
         leaves = {k: v.detach().requires_grad_(True) for k, v in self.params.items()}
         loss = td_loss(self.q(batch.obs, leaves), batch.actions, target)
@@ -190,32 +210,24 @@ class DQNTrainer:
     ) -> None:
         self.learner, self.env, self.agents, self.cfg = learner, env, agents, cfg
         self.seed, self.total = seed, total
-        self.n = env.n // agents
         self.replay = Replay(agents, cfg.buffer, env.obs_dim)
-        self.obs = env.reset(generator(seed, "rl/dqn_reset")).reshape(agents, self.n, -1)
-        self.episode_return = torch.zeros(agents, self.n)
-        self.finished: list[float] = []
-        self.env_steps = 0
+        self.stream = EnvStream(env, agents, seed, "rl/dqn_reset")
         self.losses: list[float] = []
+
+    @property
+    def env_steps(self) -> int:
+        return self.stream.env_steps
 
     def iteration(self, it: int) -> None:
         """One environment step of every environment, then ``grad_steps`` TD steps."""
         cfg = self.cfg
         gen = generator(self.seed, "rl/dqn", round=it)
         eps = epsilon(it, self.total, cfg.epsilon_start, cfg.epsilon_end, cfg.explore_fraction)
+        obs = self.stream.obs
         with torch.no_grad():
-            action = epsilon_greedy(self.learner.act_q(self.obs, gen), eps, gen)
-        nxt, reward, terminated, truncated = self.env.step(action.reshape(-1), gen)
-        shape = (self.agents, self.n)
-        reward, terminated = reward.reshape(shape), terminated.reshape(shape)
-        done = terminated | truncated.reshape(shape)
-        self.replay.add(self.obs, action, reward, nxt.reshape(*shape, -1), terminated)
-        self.obs = self.env.obs.reshape(*shape, -1)
-        self.env_steps += self.env.n
-        self.episode_return += reward
-        if bool(done.any()):
-            self.finished += self.episode_return[done].tolist()
-            self.episode_return = torch.where(done, 0.0, self.episode_return)
+            action = epsilon_greedy(self.learner.act_q(obs, gen), eps, gen)
+        nxt, reward, terminated, _ = self.stream.step(action, gen)
+        self.replay.add(obs, action, reward, nxt, terminated)
         if self.replay.size >= min(cfg.learning_starts, cfg.buffer):
             for _ in range(cfg.grad_steps):
                 self.losses.append(
@@ -227,23 +239,13 @@ class DQNTrainer:
     def take_stats(self) -> dict[str, float | None]:
         """Mean return of the training episodes that ended and mean TD loss since the last
         call."""
-        ret = sum(self.finished) / len(self.finished) if self.finished else None
         loss = sum(self.losses) / len(self.losses) if self.losses else None
-        self.finished, self.losses = [], []
-        return {"train_return": ret, "train_loss": loss}
+        self.losses = []
+        return {"train_return": self.stream.take_returns(), "train_loss": loss}
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "replay": self.replay.state_dict(),
-            "env": self.env.state_dict(),
-            "obs": self.obs,
-            "episode_return": self.episode_return,
-            "env_steps": self.env_steps,
-        }
+        return {"replay": self.replay.state_dict(), **self.stream.state_dict()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.replay.load_state_dict(saved["replay"])
-        self.env.load_state_dict(saved["env"])
-        self.obs = saved["obs"].clone()
-        self.episode_return = saved["episode_return"].clone()
-        self.env_steps = int(saved["env_steps"])
+        self.stream.load_state_dict(saved)

@@ -10,6 +10,7 @@ ones (the personal embedding never leaves the agent).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,13 @@ from fedloom.rl.dqn import DQNTrainer, StackedQ
 from fedloom.rl.envs import agent_variants, make_env
 from fedloom.rl.evaluate import by_environment, greedy_returns
 from fedloom.rl.nets import Adam, init_mlp
-from fedloom.rl.policy_gradient import EMBEDDING, policy_logits, reinforce_grads, rollout
+from fedloom.rl.policy_gradient import (
+    EMBEDDING,
+    policy_logits,
+    reinforce_grads,
+    rollout,
+    with_mean_embedding,
+)
 
 
 class HorizontalAgents:
@@ -41,17 +48,19 @@ class HorizontalAgents:
         self.bytes_up = self.bytes_down = 0
         self.env_steps = 0
 
-    def _init(self, sizes: list[int]) -> Tree:
-        """Federated agents start from one broadcast initialisation; local ones from their
-        own (stream (seed, "rl/init", client k))."""
+    def _init(self, make: Callable[[torch.Generator], Tree]) -> Tree:
+        """The K agents' stacked trees from ``make(gen)``, one agent's tree (leading axis 1):
+        federated agents start from one broadcast initialisation; local ones from their own
+        (stream (seed, "rl/init", client k))."""
         if self.cfg.averages:
-            one = init_mlp(sizes, 1, generator(self.cfg.seed, "rl/init"), self.prefix)
+            one = make(generator(self.cfg.seed, "rl/init"))
             return {k: v.expand(self.k, *v.shape[1:]).clone() for k, v in one.items()}
-        trees = [
-            init_mlp(sizes, 1, generator(self.cfg.seed, "rl/init", client=c), self.prefix)
-            for c in range(self.k)
-        ]
+        trees = [make(generator(self.cfg.seed, "rl/init", client=c)) for c in range(self.k)]
         return {k: torch.cat([t[k] for t in trees]) for k in trees[0]}
+
+    def _embedding(self, dim: int) -> torch.Tensor:
+        """The personalized variant's embeddings [K, dim] (stream (seed, "rl/embedding"))."""
+        return 0.1 * torch.randn(self.k, dim, generator=generator(self.cfg.seed, "rl/embedding"))
 
     @property
     def params(self) -> Tree:
@@ -93,6 +102,11 @@ class HorizontalAgents:
         return agents, envs
 
     def unseen_agents(self) -> list[int]:
+        """Who plays an unseen environment: with embeddings a virtual agent K (the global
+        network with the agents' mean embedding, :func:`with_mean_embedding`); else the
+        global policy, or every local agent."""
+        if EMBEDDING in self.params:
+            return [self.k]
         return [0] if self.cfg.averages else list(range(self.k))
 
     def _evaluate_groups(self, logits_fn_for) -> dict[str, dict[str, float]]:
@@ -105,6 +119,20 @@ class HorizontalAgents:
         )
         return by_environment(self.cfg.data, envs, returns)
 
+    def server_state(self) -> dict[str, Any]:
+        """The server's part of a checkpoint: the global model, the mechanisms' state and
+        the bytes counted so far."""
+        return {
+            "global": self.global_,
+            "aggregator": self.aggregator.state_dict(),
+            "bytes": [self.bytes_up, self.bytes_down],
+        }
+
+    def load_server_state(self, saved: dict[str, Any]) -> None:
+        self.global_ = saved["global"]
+        self.aggregator.load_state_dict(saved["aggregator"])
+        self.bytes_up, self.bytes_down = (int(b) for b in saved["bytes"])
+
     def deployed(self) -> tuple[Tree | None, dict[int, Tree]]:
         """(the global model or None, each agent's deployed model)."""
         clients = {c: {k: v[c].clone() for k, v in self.params.items()} for c in range(self.k)}
@@ -112,7 +140,53 @@ class HorizontalAgents:
         return glob, clients
 
 
-class PolicyAgents(HorizontalAgents):
+class PolicyLearners(HorizontalAgents):
+    """Agents with stacked policies (``pi.*`` keys, and an embedding) and their own Adam:
+    REINFORCE and PPO agents. Subclasses set ``_params`` and ``opt`` and say what else their
+    checkpoint holds (:meth:`extra_state`)."""
+
+    _params: Tree
+    opt: Adam
+
+    @property
+    def params(self) -> Tree:
+        return self._params
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Greedy returns of the stacked policies (``pi.*`` keys, and an embedding)."""
+        params = self._params
+        if EMBEDDING in params:
+            params = with_mean_embedding(params)
+        act = self.cfg.activation
+
+        def logits_for(idx: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+            picked = {k: v[idx] for k, v in params.items()}
+            return lambda obs: policy_logits(picked, obs, act)
+
+        return self._evaluate_groups(logits_for)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, saved: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "params": self._params,
+            "opt": self.opt.state_dict(),
+            **self.server_state(),
+            **self.extra_state(),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self._params = {k: v.clone() for k, v in saved["params"].items()}
+        self.opt.load_state_dict(saved["opt"])
+        self.load_server_state(saved)
+        self.load_extra_state(saved)
+
+
+class PolicyAgents(PolicyLearners):
     """PAvg, personalized PAvg and local REINFORCE agents (module docstring)."""
 
     def __init__(self, cfg: RLRunConfig) -> None:
@@ -120,20 +194,15 @@ class PolicyAgents(HorizontalAgents):
         algo = cfg.algorithm
         emb = algo.embedding_dim if isinstance(algo, PAvgEmbeddingConfig) else 0
         sizes = [self.env.obs_dim + emb, *cfg.model.hidden, self.env.num_actions]
-        self._params = self._init(sizes)
+        self._params = self._init(lambda gen: init_mlp(sizes, 1, gen, self.prefix))
         if emb:
-            gen = generator(cfg.seed, "rl/embedding")
-            self._params[EMBEDDING] = 0.1 * torch.randn(self.k, emb, generator=gen)
+            self._params[EMBEDDING] = self._embedding(emb)
         self.opt = Adam(self._params, cfg.lr)
         self.global_: Tree | None = (
             {k: v[0].clone() for k, v in self._params.items() if k != EMBEDDING}
             if cfg.averages
             else None
         )
-
-    @property
-    def params(self) -> Tree:
-        return self._params
 
     def _logits(self, params: Tree):
         return lambda obs: policy_logits(params, obs, self.cfg.activation)
@@ -167,36 +236,10 @@ class PolicyAgents(HorizontalAgents):
             "train_return_by_client": [_sig6(x) for x in returns.tolist()],
         }
 
-    def unseen_agents(self) -> list[int]:
-        """With embeddings, an unseen environment is played by a virtual agent K: the global
-        policy with the agents' mean embedding."""
-        return [self.k] if EMBEDDING in self._params else super().unseen_agents()
+    def extra_state(self) -> dict[str, Any]:
+        return {"env_steps": self.env_steps}
 
-    def evaluate(self) -> dict[str, dict[str, float]]:
-        params = self._params
-        if EMBEDDING in params:
-            params = {k: torch.cat((v, v[:1])) for k, v in params.items()}
-            params[EMBEDDING][-1] = self._params[EMBEDDING].mean(0)
-        return self._evaluate_groups(
-            lambda idx: self._logits({k: v[idx] for k, v in params.items()})
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "params": self._params,
-            "opt": self.opt.state_dict(),
-            "global": self.global_,
-            "aggregator": self.aggregator.state_dict(),
-            "bytes": [self.bytes_up, self.bytes_down],
-            "env_steps": self.env_steps,
-        }
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self._params = {k: v.clone() for k, v in saved["params"].items()}
-        self.opt.load_state_dict(saved["opt"])
-        self.global_ = saved["global"]
-        self.aggregator.load_state_dict(saved["aggregator"])
-        self.bytes_up, self.bytes_down = (int(b) for b in saved["bytes"])
+    def load_extra_state(self, saved: dict[str, Any]) -> None:
         self.env_steps = int(saved["env_steps"])
 
 
@@ -210,9 +253,15 @@ class QAgents(HorizontalAgents):
         algo = cfg.algorithm
         sizes = [self.env.obs_dim, *cfg.model.hidden, self.env.num_actions]
         self.q = StackedQ(
-            self.k, sizes, cfg.lr, algo.gamma, generator(cfg.seed, "rl/init"), cfg.activation
+            self.k,
+            sizes,
+            cfg.lr,
+            algo.gamma,
+            generator(cfg.seed, "rl/init"),
+            cfg.activation,
+            double=algo.double,
         )
-        self.q.params = self._init(sizes)
+        self.q.params = self._init(lambda gen: init_mlp(sizes, 1, gen, self.prefix))
         self.q.sync_target()
         self.q.mu = getattr(algo, "mu", 0.0)
         total = cfg.train.rounds * cfg.train.local_steps
@@ -224,15 +273,21 @@ class QAgents(HorizontalAgents):
         return self.q.params
 
     def train_round(self, round: int) -> dict[str, Any]:
-        """E DQN iterations of every agent, then the server step."""
+        """E DQN iterations of every agent, then the server step; with ``global_target`` a
+        target copy made during the round becomes the round's global Q-network."""
         cfg = self.cfg
         if self.q.mu > 0 and self.global_ is not None:
             self.q.anchor = {k: v.expand_as(self.q.params[k]) for k, v in self.global_.items()}
+        algo, synced = cfg.algorithm, False
         for e in range(cfg.train.local_steps):
-            self.trainer.iteration(round * cfg.train.local_steps + e)
+            it = round * cfg.train.local_steps + e
+            self.trainer.iteration(it)
+            synced |= (it + 1) % algo.target_every == 0
         self.env_steps = self.trainer.env_steps
         if cfg.averages:
             self.server_step(round)
+            if synced and getattr(algo, "global_target", False):
+                broadcast(self.global_, self.q.target)
         return self.trainer.take_stats()
 
     def evaluate(self) -> dict[str, dict[str, float]]:
@@ -245,18 +300,14 @@ class QAgents(HorizontalAgents):
         return {
             "q": self.q.state_dict(),
             "trainer": self.trainer.state_dict(),
-            "global": self.global_,
-            "aggregator": self.aggregator.state_dict(),
-            "bytes": [self.bytes_up, self.bytes_down],
+            **self.server_state(),
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.q.load_state_dict(saved["q"])
         self.trainer.load_state_dict(saved["trainer"])
         self.env_steps = self.trainer.env_steps
-        self.global_ = saved["global"]
-        self.aggregator.load_state_dict(saved["aggregator"])
-        self.bytes_up, self.bytes_down = (int(b) for b in saved["bytes"])
+        self.load_server_state(saved)
 
 
 def _sig6(x: float) -> float:

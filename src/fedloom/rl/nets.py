@@ -33,6 +33,22 @@ def init_mlp(sizes: Sequence[int], agents: int, gen: torch.Generator, prefix: st
     return params
 
 
+def init_orthogonal_mlp(
+    sizes: Sequence[int], gen: torch.Generator, prefix: str, last_gain: float
+) -> Tree:
+    """One MLP (leading agent axis of 1) initialised as CleanRL's ``layer_init``: orthogonal
+    weights (Saxe et al. 2014) with gain sqrt(2) on hidden layers and ``last_gain`` on the
+    output layer, zero biases."""
+    params: Tree = {}
+    n = len(sizes) - 1
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+        gain = last_gain if i == n - 1 else math.sqrt(2.0)
+        w = torch.nn.init.orthogonal_(torch.empty(fan_out, fan_in), gain, generator=gen)
+        params[f"{prefix}{i}.weight"] = w.unsqueeze(0)
+        params[f"{prefix}{i}.bias"] = torch.zeros(1, fan_out)
+    return params
+
+
 def layers(params: Tree, prefix: str = "") -> int:
     return sum(1 for k in params if k.startswith(prefix) and k.endswith(".weight"))
 

@@ -42,15 +42,28 @@ class VecEnv(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def policy_logits(params: Tree, obs: torch.Tensor, activation: str = "tanh") -> torch.Tensor:
-    """Action logits of K stacked policies on ``obs`` [K, ..., d]; with an ``embedding`` [K, e]
-    in ``params`` the state is concatenated with the agent's embedding first."""
+def embedded(params: Tree, obs: torch.Tensor) -> torch.Tensor:
+    """``obs`` [K, ..., d], concatenated with agent k's ``embedding`` [K, e] when ``params``
+    has one (the personalized variant, Jin et al. 2022, section 5)."""
     emb = params.get(EMBEDDING)
-    if emb is not None:
-        shape = (*obs.shape[:-1], emb.shape[-1])
-        e = emb.reshape(emb.shape[0], *([1] * (obs.dim() - 2)), emb.shape[-1]).expand(shape)
-        obs = torch.cat((obs, e.to(obs.dtype)), dim=-1)
-    return mlp(params, obs, activation, prefix="pi.")
+    if emb is None:
+        return obs
+    shape = (*obs.shape[:-1], emb.shape[-1])
+    e = emb.reshape(emb.shape[0], *([1] * (obs.dim() - 2)), emb.shape[-1]).expand(shape)
+    return torch.cat((obs, e.to(obs.dtype)), dim=-1)
+
+
+def with_mean_embedding(params: Tree) -> Tree:
+    """``params`` with a virtual agent K appended: agent 0's network (the global one after a
+    broadcast) and the agents' mean embedding, which plays the unseen environments."""
+    out = {k: torch.cat((v, v[:1])) for k, v in params.items()}
+    out[EMBEDDING][-1] = params[EMBEDDING].mean(0)
+    return out
+
+
+def policy_logits(params: Tree, obs: torch.Tensor, activation: str = "tanh") -> torch.Tensor:
+    """Action logits of K stacked policies on ``obs`` [K, ..., d] (:func:`embedded` first)."""
+    return mlp(params, embedded(params, obs), activation, prefix="pi.")
 
 
 @dataclass

@@ -22,13 +22,15 @@ from fedloom.engine.shell import RunShell, base_summary
 from fedloom.engine.threads import torch_threads
 from fedloom.rl.config import RLRunConfig, VerticalDQNConfig, parse_rl_config
 from fedloom.rl.horizontal import PolicyAgents, QAgents
+from fedloom.rl.ppo_agents import PPOAgents
 from fedloom.rl.vertical_agents import VerticalAgents
 
 
-def build_learner(cfg: RLRunConfig) -> PolicyAgents | QAgents | VerticalAgents:
+def build_learner(cfg: RLRunConfig) -> PolicyAgents | PPOAgents | QAgents | VerticalAgents:
     if isinstance(cfg.algorithm, VerticalDQNConfig):
         return VerticalAgents(cfg)
-    return PolicyAgents(cfg) if cfg.learner == "reinforce" else QAgents(cfg)
+    learners = {"reinforce": PolicyAgents, "ppo": PPOAgents, "dqn": QAgents}
+    return learners[cfg.learner](cfg)
 
 
 def _shell_args(cfg: RLRunConfig) -> dict[str, Any]:
@@ -64,24 +66,26 @@ def run_rl(
     out: str | Path | None = None,
     write: bool = True,
     resume: str | Path | None = None,
+    accept_config_change: bool = False,
     on_round: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Run an RL config (mapping, path or :class:`RLRunConfig`), or continue the run directory
-    ``resume`` from its newest checkpoint. ``on_round(r)`` is called after each finished round
+    ``resume`` from its newest checkpoint (``accept_config_change``: engine/shell.py,
+    ``check_drift``). ``on_round(r)`` is called after each finished round
     (tests kill a run through it). The run uses one torch thread: its tensors are small, and
     one thread is faster for small steps (engine/threads.py, SMALL_STEP_MACS)."""
     with torch_threads(1):
-        return _run(config, out, write, resume, on_round)
+        return _run(config, out, write, (resume, accept_config_change), on_round)
 
 
 def _run(
     config: Any,
     out: str | Path | None,
     write: bool,
-    resume: str | Path | None,
+    resume: tuple[str | Path | None, bool],
     on_round: Callable[[int], None] | None,
 ) -> RunResult:
-    shell, cfg, saved = RunShell.open(config, parse_rl_config, _shell_args, out, write, resume)
+    shell, cfg, saved = RunShell.open(config, parse_rl_config, _shell_args, out, write, *resume)
     learner = build_learner(cfg)
     if saved is not None:
         learner.load_state_dict(saved)

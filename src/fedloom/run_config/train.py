@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, PositiveInt, Tag, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    PositiveInt,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from fedloom.core.settings import StrictModel
+from fedloom.solvers.adamw import AdamW
 
 
 class WorkDistribution(StrictModel):
@@ -55,6 +64,54 @@ Work = Annotated[
 """A fixed number, or a WorkDistribution mapping."""
 
 
+class OptimizerConfig(StrictModel):
+    """The clients' local optimizer (``train.optimizer``; docs/optimizers.md): ``sgd``, the
+    algorithm's own SGD steps, or ``adamw`` (Loshchilov and Hutter 2019; solvers/adamw.py) at
+    ``train.lr``, with ``torch.optim.AdamW``'s defaults. ``moments``: AdamW's first and second
+    moments start from zero every round (``round``) or persist in each client's state across
+    rounds (``client``; algorithms that keep client state). A plain string is the kind."""
+
+    kind: Literal["sgd", "adamw"] = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0.0)
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    moments: Literal["round", "client"] = "round"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_only(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must both be in [0, 1), got {list(betas)}")
+        return betas
+
+    @model_validator(mode="after")
+    def _adamw_keys(self) -> OptimizerConfig:
+        fields = type(self).model_fields
+        stray = sorted(
+            k for k in self.model_fields_set - {"kind"} if getattr(self, k) != fields[k].default
+        )
+        if self.kind == "sgd" and stray:
+            raise ValueError(f"{', '.join(stray)} applies only to kind: adamw (got kind: sgd)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        """SGD as ``{kind: sgd}``: AdamW's keys do not apply to it."""
+        out = handler(self)
+        return {"kind": "sgd"} if self.kind == "sgd" else out
+
+    def adamw(self) -> AdamW | None:
+        """The solvers' AdamW settings (solvers/adamw.py), or None for SGD."""
+        if self.kind != "adamw":
+            return None
+        return AdamW(self.betas, self.eps, self.weight_decay, self.moments == "client")
+
+
 class TrainConfig(StrictModel):
     rounds: int = Field(default=20, ge=1)
     clients_per_round: int | None = Field(default=None, ge=1)
@@ -70,6 +127,8 @@ class TrainConfig(StrictModel):
     """A client whose loss, upload or state is not finite (diverged): error: stop the run naming
     the client, the round and what to lower; drop: leave it out of that round's aggregation
     (its personalized state keeps its previous value) and count it (``dropped_nonfinite``)."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """The local optimizer: sgd (default) or adamw {betas, eps, weight_decay, moments}."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Fraction of each round's sampled clients that vanish mid-round (engine/dropout.py):
     floor(dropout x sampled) of them, each at a stage drawn uniformly from secure

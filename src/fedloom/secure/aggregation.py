@@ -30,7 +30,8 @@ import torch
 
 from fedloom.core.mechanism import Aggregator, Mechanism, ServerStep, UpdateSum
 from fedloom.core.pytree import flatten64, unflatten
-from fedloom.secure.base import DropStage, SecureAggregationAbort, SecureSum
+from fedloom.secure.base import DropStage, SecureAggregationAbort, SecureSum, SecureSumResult
+from fedloom.secure.transcript import Transcript
 
 if TYPE_CHECKING:
     from fedloom.secure.config import SecureAggregationConfig
@@ -180,10 +181,26 @@ class SecureAggregation(Mechanism):
             )
         return anchor
 
-    def _sum(self, vectors: dict[int, np.ndarray]) -> np.ndarray:
+    def sum_integers(self, inputs: Mapping[int, np.ndarray]) -> tuple[np.ndarray, int]:
+        """The sum modulo 2^32 of already encoded uint32 vectors (distributed DP's; SecAgg and
+        SecAgg+ only) through the masked round, and how many clients it holds."""
+        masked_sum = getattr(self.protocol, "masked_sum", None)
+        if masked_sum is None:
+            raise SecureAggregationAbort(f"{self.config.kind} cannot sum integer vectors")
+
+        def run(round: int, vectors: Mapping[int, np.ndarray], drops: Any) -> SecureSumResult:
+            transcript = Transcript(keep_messages=False)
+            out = masked_sum(round, vectors, drops, transcript)
+            up, down = transcript.bytes_up(), transcript.bytes_down()
+            return SecureSumResult(out.total, out.included, up, down, dict(out.seconds))
+
+        total = self._sum(dict(inputs), run)
+        return total.astype(np.int64), int(self.last["included"])
+
+    def _sum(self, vectors: dict[int, np.ndarray], run: Any = None) -> np.ndarray:
         start = time.perf_counter()
         try:
-            result = self.protocol.sum(self.round, vectors, self.drops)
+            result = (run or self.protocol.sum)(self.round, vectors, self.drops)
         except SecureAggregationAbort as err:
             self.counters.rounds_aborted += 1
             self.last = {"round": self.round, "aborted": str(err)}

@@ -18,14 +18,15 @@ from ``clients/`` deploy the global model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fedloom.core.files import inside, one_line, read_json_object, read_yaml_mapping, strict_json
 from fedloom.engine.serving import FILES, META_FILE, SERVING_DIR
 from fedloom.errors import RunDirError
 from fedloom.models import build_model
@@ -41,11 +42,38 @@ WHAT = {
 }
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+META_KEYS = (
+    "model",
+    "files",
+    "task",
+    "input_shape",
+    "num_outputs",
+    "rounds",
+    "clients",
+    "personal",
+)
+"""What serving.json must hold (engine/serving.py writes it)."""
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta = read_json_object(path)
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise RunDirError(f"{path}: missing {', '.join(missing)}; was it written by fedloom?")
+    unknown = sorted(set(meta["files"]) - set(WHAT)) if isinstance(meta["files"], dict) else []
+    if not isinstance(meta["files"], dict) or unknown:
+        raise RunDirError(
+            f"{path}: files names unknown copies {unknown or meta['files']!r}; "
+            f"the copies are {', '.join(WHAT)}"
+        )
+    return meta
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"cannot read {path}: {err}") from None
+        return load_file(str(path))
+    except (OSError, SafetensorError) as err:
+        raise RunDirError(f"cannot read {path}: {one_line(err)}") from None
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, copy: str, model: str) -> None:
@@ -80,16 +108,18 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     target = Path(out) if out is not None else run_dir / EXPORT_DIR
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise RunDirError(f"export directory {target} exists and is not empty; choose a new --out")
-    meta = _read_json(source / META_FILE)
+    meta = _read_meta(source / META_FILE)
     summary_path = run_dir / "summary.json"
-    summary = _read_json(summary_path) if summary_path.is_file() else {}
-    config = _read_json_yaml(run_dir / "config.yaml")
+    summary = read_json_object(summary_path) if summary_path.is_file() else {}
+    config = read_yaml_mapping(run_dir / "config.yaml")
     model = meta["model"]
     serving = summary.get("serving") or meta.get("serving") or {}
     final = summary.get("final") or {}
     copies: dict[str, Any] = {}
     for name, filename in meta["files"].items():
-        tensors = load_file(str(source / filename))
+        # the file names serving.json gives are read inside RUN/serving only; what is written
+        # is named here (FILES, clients/...), never after them
+        tensors = _load(inside(source, filename, f"{META_FILE} files.{name}"))
         entry: dict[str, Any] = {"what": WHAT[name]}
         if name in ("clients", "clients_best"):
             files = {}
@@ -99,8 +129,8 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 files[str(cid)] = rel
             entry["files"] = files
         else:
-            _save(tensors, target / filename, name, model)
-            entry["file"] = filename
+            _save(tensors, target / FILES[name], name, model)
+            entry["file"] = FILES[name]
         entry.update(_metrics(name, final, serving))
         copies[name] = entry
     routing = dict(serving.get("routing") or {})
@@ -127,17 +157,8 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             ".load_state_dict(safetensors.torch.load_file(FILE))"
         ),
     }
-    (target / CARD_FILE).write_text(json.dumps(card, indent=2))
+    (target / CARD_FILE).write_text(strict_json(card, indent=2))
     return target / CARD_FILE
-
-
-def _read_json_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise RunDirError(f"cannot read {path}: {err}") from None
 
 
 def _metrics(name: str, final: dict[str, Any], serving: dict[str, Any]) -> dict[str, Any]:
@@ -164,8 +185,8 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
     """The exported ``copy`` (global | ema | best | clients | clients_best) as a torch module
     in evaluation mode; ``client`` picks a client's file of the per-client copies."""
     folder = Path(folder)
-    card = _read_json(folder / CARD_FILE)
-    if copy not in card["copies"]:
+    card = read_json_object(folder / CARD_FILE)
+    if copy not in card.get("copies", {}):
         raise RunDirError(f"{folder} has no '{copy}' copy; it has {', '.join(card['copies'])}")
     entry = card["copies"][copy]
     if "files" in entry:
@@ -173,11 +194,11 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
             raise RunDirError(
                 f"'{copy}' is per client: pass client= one of {', '.join(entry['files'])}"
             )
-        path = folder / entry["files"][str(client)]
+        path = inside(folder, entry["files"][str(client)], f"{CARD_FILE} {copy}")
     else:
-        path = folder / entry["file"]
+        path = inside(folder, entry["file"], f"{CARD_FILE} {copy}")
     module = build_model(card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"])
-    module.load_state_dict(load_file(str(path)))
+    module.load_state_dict(_load(path))
     return module.eval()
 
 

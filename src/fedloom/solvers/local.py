@@ -21,6 +21,7 @@ from fedloom.core.lean import LeanModule, backward
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
+from fedloom.solvers.adamw import AdamW, Moments, fused_adamw_
 
 
 def steps_per_epoch(n: int, batch_size: int | None) -> int:
@@ -129,6 +130,8 @@ class LocalSolution:
     steps: int
     velocity: Tree | None = None
     """Heavy-ball momentum buffer at the end (None when the solver ran without momentum)."""
+    moments: Moments | None = None
+    """AdamW's moments at the end (solvers/adamw.py; None when the solver ran SGD)."""
 
 
 @dataclass
@@ -167,6 +170,8 @@ def local_sgd(
     trainable: Collection[str] | None = None,
     head: str | None = None,
     on_step: StepCallback | None = None,
+    adamw: AdamW | None = None,
+    moments: Moments | None = None,
 ) -> LocalSolution:
     """The one fast one-client SGD loop: steps w <- w - lr (grad L(w; batch) + correction(w))
     along ``plan``, L the model's loss or ``objective``.
@@ -179,6 +184,8 @@ def local_sgd(
       v <- rho v + g, w <- w - lr v, from ``velocity`` (default zero);
     - ``trainable``: only these parameters move (default: all; FedPer's head, the cold-start
       adaptation's keys);
+    - ``adamw``: AdamW steps (solvers/adamw.py) on the same gradient instead of SGD's, from
+      ``moments`` (default zero), which the solution returns; not with ``momentum``;
     - ``on_step(done, lean)`` after each step (snapshots).
 
     The inputs are not modified; buffers (BatchNorm statistics) evolve in training mode. Runs
@@ -186,12 +193,18 @@ def local_sgd(
     same as the client programs' steps, which both backends run (algorithms/base.py,
     ``SGDProgram``).
     """
+    if adamw is not None and momentum:
+        raise ValueError("AdamW steps take no heavy-ball momentum (its first moment replaces it)")
     lean = model.lean()
     lean.load(params, buffers)
     flat, flat_grad = lean.flat, lean.flat_grad
     grads = lean.grad_view()
     frozen = [] if trainable is None else [k for k in lean.keys if k not in set(trainable)]
     flat_velocity = None
+    flat_moments = _flat_moments(lean, moments) if adamw is not None else None
+    step0 = int(moments["step"]) if adamw is not None and moments is not None else 0
+    # decoupled weight decay would move frozen parameters: they are put back after each step
+    keep = {k: lean.views[k].detach().clone() for k in frozen} if adamw is not None else {}
     if momentum:
         flat_velocity = torch.zeros_like(flat)
         if velocity is not None:
@@ -217,7 +230,13 @@ def local_sgd(
                         g.add_(extra[k])
             for k in frozen:
                 grads[k].zero_()
-            if flat_velocity is not None:
+            if flat_moments is not None:
+                assert adamw is not None
+                m, v = flat_moments
+                fused_adamw_([flat], [flat_grad], [m], [v], [step0 + step + 1], lr, adamw)
+                for k, value in keep.items():
+                    lean.views[k].data.copy_(value)
+            elif flat_velocity is not None:
                 flat_velocity.mul_(momentum).add_(flat_grad)
                 flat.sub_(flat_velocity, alpha=lr)
             else:
@@ -234,4 +253,22 @@ def local_sgd(
         lr,
         len(plan),
         lean.unflatten(flat_velocity) if flat_velocity is not None else None,
+        _moments_tree(lean, flat_moments, step0 + len(plan)) if flat_moments else None,
     )
+
+
+def _flat_moments(lean: LeanModule, moments: Moments | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdamW's (m, v) as flat buffers laid out like the trainer's parameters (zero, or from
+    ``moments``)."""
+    m, v = torch.zeros_like(lean.flat), torch.zeros_like(lean.flat)
+    if moments is not None:
+        lean.flatten_into(moments["m"], m)
+        lean.flatten_into(moments["v"], v)
+    return m, v
+
+
+def _moments_tree(lean: LeanModule, flat: tuple[torch.Tensor, torch.Tensor], steps: int) -> Moments:
+    """The flat (m, v) after ``steps`` steps in all as the moments tree of solvers/adamw.py."""
+    m, v = flat
+    step = torch.tensor(float(steps), dtype=torch.float64)
+    return {"m": lean.unflatten(m), "v": lean.unflatten(v), "step": step}

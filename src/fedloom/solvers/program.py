@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -213,6 +213,16 @@ class ClientProgram:
 
     updates: tuple[Update, ...] = ()
 
+    takes_optimizer: ClassVar[bool] = False
+    """Whether the program's local steps are ``train.optimizer``'s (SGD or AdamW,
+    solvers/adamw.py); False: its steps are its own and ``train.optimizer: adamw`` is refused.
+    Read on the class that defines ``step`` (or declares this), so a subclass that replaces
+    the step must declare it again (:func:`takes_optimizer`)."""
+
+    keeps_moments: ClassVar[bool] = False
+    """Whether the program keeps AdamW's moments in the client's state across rounds when
+    ``train.optimizer.moments`` is ``client`` (``SGDProgram``); False: that is refused."""
+
     def __init__(self, model: FunctionalModel, seed: int) -> None:
         self.model = model
         self.seed = seed
@@ -255,3 +265,13 @@ class ClientProgram:
         (the plain SGD program runs on the lean flat-buffer trainer), or None: the backend
         steps through ``updates``. Executor-equivalence tests hold the two to 1e-4."""
         return None
+
+
+def takes_optimizer(program: ClientProgram) -> bool:
+    """``takes_optimizer`` as declared by the first class of the program's MRO that defines
+    ``step`` or declares it: a subclass that replaces an optimizer-aware step with one of its
+    own is not optimizer-aware until it says so."""
+    for cls in type(program).__mro__:
+        if "takes_optimizer" in vars(cls) or "step" in vars(cls):
+            return bool(vars(cls).get("takes_optimizer", False))
+    return False

@@ -5,7 +5,7 @@ solvers/objective_sgd.py)::
 
     g_c   <- grad F_c(w_c; B_c) + extra_c          (extra: local_correction at w_c)
     v_c   <- rho v_c + g_c                          (momentum rho > 0 only)
-    w_c   <- w_c - lr v_c   (or w_c - lr g_c)
+    w_c   <- w_c - lr v_c   (or w_c - lr g_c; or AdamW's step on g_c, solvers/adamw.py)
 
 A linear layer's weight gradient is never formed: ``StackedGrad.add_to`` writes
 -lr G^T H into the weight (or the velocity) with one batched product.
@@ -22,6 +22,7 @@ from torch.func import vmap
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
+from fedloom.solvers.adamw import AdamW, Moments, adamw_stacked_
 from fedloom.solvers.program import Batch
 
 StepCallback = Callable[[int, range, Tree], None]
@@ -40,11 +41,14 @@ def stacked_sgd_step(
     velocity: Tree | None = None,
     momentum: float = 0.0,
     trainable: Collection[str] | None = None,
+    adamw: AdamW | None = None,
+    moments: Moments | None = None,
 ) -> torch.Tensor:
     """One SGD step of every client in ``params`` (stacked, updated in place) on its
     minibatch of ``batch`` (x, y, w stacked (C, B, ...)); returns the C losses before the step.
     ``extra``: an extra gradient term per client (already evaluated at ``params``);
-    ``velocity``: heavy-ball buffers, updated in place; ``trainable``: the keys that move."""
+    ``velocity``: heavy-ball buffers, updated in place; ``trainable``: the keys that move;
+    ``adamw``: an AdamW step instead, with the stacked ``moments`` (updated in place)."""
     stacked = model.stacked()
     assert stacked is not None, "stacked_sgd_step needs a stackable model"
     keys = set(trainable) if trainable is not None else None
@@ -52,6 +56,13 @@ def stacked_sgd_step(
         params, batch.x, batch.y, batch.w, model.per_sample_loss, keys, model.task
     )
     with torch.no_grad():
+        if adamw is not None:
+            assert moments is not None, "an AdamW step needs the chunk's moments"
+            full = {k: grads.materialize(k) for k in grads.names()}
+            if extra is not None:
+                full = {k: g + extra[k] for k, g in full.items()}
+            adamw_stacked_(params, full, moments, lr, adamw)
+            return losses
         for k in grads.names():
             p = params[k]
             if velocity is not None:

@@ -65,7 +65,8 @@ class TrialReporter(Callback):
             raise DivergenceError(f"{self.metric} is {value} in round {report.round}")
         self.trial.report(value, step=report.round)
         self.values.append((report.round, value))
-        if self.trial.should_prune():
+        # the last round's value is the trial's result: pruning there would only discard it
+        if report.round < ctx.config.train.rounds and self.trial.should_prune():
             raise optuna.TrialPruned(f"pruned at round {report.round}")
         return {}
 

@@ -29,7 +29,7 @@ Scalar = bool | int | float | str | None
 
 
 class _Dist(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
 
 class _RangeDist(_Dist):

@@ -29,13 +29,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedloom.config import CheckpointConfig
-from fedloom.core.validation import format_validation_error
+from fedloom.config import CheckpointConfig, load_yaml
+from fedloom.core.settings import Seed
+from fedloom.core.validation import check_int64, format_validation_error
 from fedloom.errors import ConfigError, unknown_name_message
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
 
 
 class VerticalPartition(_Strict):
@@ -51,13 +52,17 @@ class VerticalPartition(_Strict):
 
 
 class VerticalDataConfig(_Strict):
-    name: Literal["breast_cancer", "diabetes"] = "breast_cancer"
+    name: Literal["breast_cancer", "diabetes", "wine", "digits"] = "breast_cancer"
+    """breast_cancer (binary), diabetes (regression), wine and digits (multi-class)."""
     root: str | None = None
     """Unused: the built-in vertical datasets ship with scikit-learn."""
     partition: VerticalPartition
     test_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
     standardize_target: bool = True
     """Regression: train on the standardised target (RMSE is reported in its own units)."""
+    missing_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """secureboost only: blank this share of the feature entries (NaN, missing completely at
+    random, train and test rows, a seeded stream) to exercise sparsity-aware split finding."""
     scale_on: Literal["train", "all"] = "train"
     """ftl only: fit the scaler on the training rows (default) or on all rows (the worked
     example of docs/vertical.md)."""
@@ -99,8 +104,13 @@ class SecureBoostConfig(_Algorithm):
     reg_lambda: float = Field(default=1.0, ge=0.0)
     gamma: float = Field(default=0.0, ge=0.0)
     min_child_weight: float = Field(default=1.0, ge=0.0)
-    base_score: float | None = None
-    """null: the mean label (XGBoost >= 2.0's estimate); give it for bit-equal runs."""
+    base_score: float | list[float] | None = None
+    """null: the mean label (XGBoost >= 2.0's estimate; multi-class: the centred log class
+    frequencies, XGBoost 3.x's); a number, or one per class; give it for bit-equal runs."""
+    objective: Literal["binary:logistic", "reg:squarederror", "multi:softprob"] | None = None
+    """null: from the dataset's task (binary, regression, multi-class)."""
+    num_class: int | None = Field(default=None, ge=2)
+    """multi:softprob: the number of classes (null: the largest training label + 1)."""
     packing: bool = True
     """Encrypted path: SecureBoost+'s GH packing and cipher compression."""
 
@@ -152,7 +162,7 @@ class VerticalRunConfig(_Strict):
     kind: Literal["vertical"] = "vertical"
     """The run family (docs/vertical.md, "The kind key"); optional here, inferred once by
     ``fedloom.config.run_kind`` when absent."""
-    seed: int = 0
+    seed: Seed = 0
     data: VerticalDataConfig
     algorithm: Any
     secure_aggregation: VerticalSecureConfig = Field(default_factory=VerticalSecureConfig)
@@ -195,10 +205,27 @@ class VerticalRunConfig(_Strict):
                 raise ValueError("data.partition.rows and labelled_rows apply to ftl only")
             if self.data.scale_on != "train":
                 raise ValueError("data.scale_on applies to ftl only")
-        if isinstance(algo, VerticalLinearConfig) and len(part.parties) != 2:
-            raise ValueError(f"{algo.name} takes exactly two parties (guest, host)")
+        if isinstance(algo, VerticalLinearConfig):
+            if algo.protocol == "two_party" and len(part.parties) != 2:
+                raise ValueError(
+                    f"{algo.name} protocol two_party takes exactly two parties (guest, host); "
+                    "more hosts need protocol three_party (a coordinator holds the key)"
+                )
+            if self.data.name in ("wine", "digits"):
+                raise ValueError(
+                    f"{algo.name} needs a binary or regression target, not "
+                    f"{self.data.name}'s classes: use algorithm secureboost"
+                )
         if isinstance(algo, VerticalLogisticConfig) and self.data.name != "breast_cancer":
             raise ValueError("vertical_logistic needs binary labels: data.name breast_cancer")
+        if self.data.missing_fraction and not isinstance(algo, SecureBoostConfig):
+            raise ValueError("data.missing_fraction applies to secureboost only")
+        if (
+            isinstance(algo, SecureBoostConfig)
+            and algo.num_class is not None
+            and (algo.objective not in (None, "multi:softprob"))
+        ):
+            raise ValueError("algorithm.num_class applies to objective multi:softprob only")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -241,23 +268,15 @@ def is_vertical_config(raw: Any) -> bool:
     return name in VERTICAL_ALGORITHMS or kind == "vertical"
 
 
-def _load_yaml(path: Path) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-
-
 def parse_vertical_config(raw: Any) -> VerticalRunConfig:
     """Validate a raw mapping (or a YAML path); ConfigError naming the key on failure."""
     if isinstance(raw, VerticalRunConfig):
         return raw
     if isinstance(raw, str | Path):
-        raw = _load_yaml(Path(raw))
+        raw = load_yaml(Path(raw))
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    check_int64(raw)
     raw = {**raw, "algorithm": parse_algorithm(raw.get("algorithm"))}
     try:
         return VerticalRunConfig.model_validate(raw)

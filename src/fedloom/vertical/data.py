@@ -1,10 +1,12 @@
 """Vertically partitioned data: the same aligned samples, features split into the parties'
 column blocks; party 0 (the guest, or active party) holds the labels.
 
-Built-in datasets need no download: scikit-learn's ``breast_cancer`` (binary, 569 × 30) and
-``diabetes`` (regression, 442 × 10). Their test split is
+Built-in datasets need no download: scikit-learn's ``breast_cancer`` (binary, 569 × 30),
+``diabetes`` (regression, 442 × 10), ``wine`` (3 classes, 178 × 13) and ``digits`` (10
+classes, 1797 × 64). Their test split is
 ``train_test_split(test_size=test_fraction, random_state=seed, stratify=y)`` (no stratify for
-regression), features standardised with a scaler fit on the training rows (issue #16). Rows are
+regression), features standardised with a scaler fit on the training rows (issue #16); with
+``missing_fraction`` a seeded share of the feature entries is then blanked (NaN). Rows are
 assumed aligned by id already: private set intersection is out of scope.
 
 Federated transfer learning uses a different layout (:func:`transfer_split`): two parties with
@@ -19,9 +21,15 @@ from itertools import pairwise
 
 import numpy as np
 
+from fedloom.core.rng import numpy_rng
 from fedloom.errors import ConfigError, DataError
 
-DATASETS = {"breast_cancer": "binary", "diabetes": "regression"}
+DATASETS = {
+    "breast_cancer": "binary",
+    "diabetes": "regression",
+    "wine": "multiclass",
+    "digits": "multiclass",
+}
 """Built-in datasets and their task."""
 
 
@@ -52,27 +60,37 @@ class VerticalData:
         y_test: np.ndarray,
         name: str = "arrays",
     ) -> VerticalData:
-        """User arrays, already aligned and split: integer labels mean a binary task (0/1),
-        floats a regression."""
+        """User arrays, already aligned and split: integer labels mean a binary task (0/1) or,
+        with more than two values, a multi-class one (0 .. K − 1); floats a regression."""
         y_train = np.asarray(y_train)
-        task = "regression" if np.issubdtype(y_train.dtype, np.floating) else "binary"
+        if np.issubdtype(y_train.dtype, np.floating):
+            task = "regression"
+        else:
+            task = "multiclass" if len(np.unique(y_train)) > 2 else "binary"
         train = [np.asarray(p, dtype=np.float64) for p in train_parts]
         test = [np.asarray(p, dtype=np.float64) for p in test_parts]
-        check_parts(train, len(y_train))
-        check_parts(test, len(y_test))
+        check_parts(train, len(y_train), allow_missing=True)  # the estimator decides
+        check_parts(test, len(y_test), allow_missing=True)
         return cls(name, task, train, y_train.astype(np.float64), test, np.asarray(y_test, float))
 
 
-def check_parts(parts: Sequence[np.ndarray], n_rows: int | None = None) -> list[np.ndarray]:
-    """The parties' blocks as float64 matrices with one row count (raises ValueError)."""
+def check_parts(
+    parts: Sequence[np.ndarray], n_rows: int | None = None, *, allow_missing: bool = False
+) -> list[np.ndarray]:
+    """The parties' blocks as float64 matrices with one row count (raises ValueError); NaN
+    (a missing value) only with ``allow_missing`` (SecureBoost), inf never."""
     if len(parts) < 2:
         raise ValueError(f"vertical data needs at least two parties' blocks, got {len(parts)}")
     out = [np.asarray(p, dtype=np.float64) for p in parts]
     for i, p in enumerate(out):
         if p.ndim != 2 or p.shape[1] == 0:
             raise ValueError(f"party {i}'s block must be a non-empty 2-D array, got {p.shape}")
-        if not np.all(np.isfinite(p)):
-            raise ValueError(f"party {i}'s block holds NaN or inf (missing values unsupported)")
+        if np.any(np.isinf(p)):
+            raise ValueError(f"party {i}'s block holds inf")
+        if not allow_missing and np.any(np.isnan(p)):
+            raise ValueError(
+                f"party {i}'s block holds NaN: missing values are supported by secureboost only"
+            )
     rows = {p.shape[0] for p in out} | ({n_rows} if n_rows is not None else set())
     if len(rows) != 1:
         raise ValueError(
@@ -124,9 +142,12 @@ def load_vertical(
     test_fraction: float,
     seed: int,
     standardize_target: bool = True,
+    missing_fraction: float = 0.0,
 ) -> VerticalData:
     """The issue's split of a built-in dataset: stratified for classification, a scaler fit
-    on the training rows; a regression target standardised the same way (undone for RMSE)."""
+    on the training rows; a regression target standardised the same way (undone for RMSE).
+    ``missing_fraction``: each feature entry (train and test) is blanked to NaN with this
+    probability, from the stream ``vertical_missing`` of ``seed`` (after scaling)."""
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
 
@@ -138,10 +159,14 @@ def load_vertical(
         y,
         test_size=test_fraction,
         random_state=seed,
-        stratify=y if task == "binary" else None,
+        stratify=y if task != "regression" else None,
     )
     scaler = StandardScaler().fit(x_tr)
     x_tr, x_te = scaler.transform(x_tr), scaler.transform(x_te)
+    if missing_fraction > 0.0:
+        rng = numpy_rng(seed, "vertical_missing")
+        x_tr = np.where(rng.random(x_tr.shape) < missing_fraction, np.nan, x_tr)
+        x_te = np.where(rng.random(x_te.shape) < missing_fraction, np.nan, x_te)
     y_scale = None
     if task == "regression":
         y_tr, y_te = y_tr.astype(np.float64), y_te.astype(np.float64)

@@ -117,10 +117,13 @@ class HistogramPayload:
     counts: np.ndarray | None = None
     slots: int = 1
     ct_bytes: int = 0
+    missing: np.ndarray | None = None
+    """Per opaque feature: whether some instance of the node lacks it (one bit each)."""
 
     @property
     def nbytes(self) -> int:
         total = 0 if self.counts is None else int(self.counts.astype(np.int32).nbytes)
+        total += 0 if self.missing is None else int(np.packbits(self.missing).nbytes)
         for v in self.channels.values():
             total += int(np.asarray(v).nbytes) if self.kind == "plain" else len(v) * self.ct_bytes
         return total
@@ -128,10 +131,17 @@ class HistogramPayload:
 
 @dataclass
 class HostHistogram:
-    """A node's sums per (feature, bucket) in the host's own feature order."""
+    """A node's sums per (feature, bucket) in the host's own feature order, over the
+    instances that have the feature (``rows``: the node's instances, missing ones included)."""
 
     channels: dict[str, np.ndarray]
     counts: np.ndarray
+    rows: int = 0
+
+    @property
+    def missing(self) -> np.ndarray:
+        """Per feature: whether some instance of the node lacks it."""
+        return self.counts.sum(axis=1) < self.rows
 
 
 class HistogramKernel:
@@ -145,20 +155,24 @@ class HistogramKernel:
         self.compress = compress
 
     def build(self, bins: np.ndarray, ids: np.ndarray, n_bins: int) -> HostHistogram:
-        """Bucket sums over the instances ``ids`` (bins: the host's n × features matrix)."""
+        """Bucket sums over the instances ``ids`` (bins: the host's n × features matrix; a
+        missing entry's bin, ``n_bins``, is left out)."""
         n_features = bins.shape[1]
         counts = np.zeros((n_features, n_bins), dtype=np.int64)
         sub = bins[ids]
         for k in range(n_features):
-            counts[k] = np.bincount(sub[:, k], minlength=n_bins)
+            counts[k] = np.bincount(sub[:, k], minlength=n_bins + 1)[:n_bins]
         if self.kind == "plain":
             out = {}
             for name, values in self.channels.items():
                 w = np.asarray(values, dtype=np.float64)[ids]
                 out[name] = np.stack(
-                    [np.bincount(sub[:, k], weights=w, minlength=n_bins) for k in range(n_features)]
+                    [
+                        np.bincount(sub[:, k], weights=w, minlength=n_bins + 1)[:n_bins]
+                        for k in range(n_features)
+                    ]
                 )
-            return HostHistogram(out, counts)
+            return HostHistogram(out, counts, len(ids))
         assert self.public_key is not None
         zero = Ciphertext(self.public_key, 1, 0)  # [[0]] with r = 1, re-randomised on export
         out = {}
@@ -174,14 +188,15 @@ class HistogramKernel:
                     if hi > lo:
                         table[k, b] = reduce(add, (cts[i] for i in ids[order[lo:hi]]))
             out[name] = table
-        return HostHistogram(out, counts)
+        return HostHistogram(out, counts, len(ids))
 
     def subtract(self, parent: HostHistogram, child: HostHistogram) -> HostHistogram:
         """The sibling's histogram: parent − child."""
         counts = parent.counts - child.counts
+        rows = parent.rows - child.rows
         if self.kind == "plain":
             return HostHistogram(
-                {k: parent.channels[k] - child.channels[k] for k in parent.channels}, counts
+                {k: parent.channels[k] - child.channels[k] for k in parent.channels}, counts, rows
             )
         out = {}
         for name, table in parent.channels.items():
@@ -189,31 +204,41 @@ class HistogramKernel:
             arr = np.empty(len(diff), dtype=object)
             arr[:] = diff
             out[name] = arr.reshape(table.shape)
-        return HostHistogram(out, counts)
+        return HostHistogram(out, counts, rows)
 
     def export(self, hist: HostHistogram, perm: np.ndarray) -> HistogramPayload:
         """The histogram with features in the opaque order ``perm`` (row j is feature
         perm[j]), compressed and re-randomised when encrypted."""
         shape = (len(perm), hist.counts.shape[1])
+        missing = hist.missing[perm]
         if self.kind == "plain":
-            return HistogramPayload("plain", shape, {k: v[perm] for k, v in hist.channels.items()})
+            chans = {k: v[perm] for k, v in hist.channels.items()}
+            return HistogramPayload("plain", shape, chans, missing=missing)
         assert self.public_key is not None
         ct_bytes = ciphertext_bytes(self.public_key)
         if self.kind == "separate":
             chans = {k: rerandomize(v[perm].ravel()) for k, v in hist.channels.items()}
-            return HistogramPayload("separate", shape, chans, ct_bytes=ct_bytes)
+            return HistogramPayload("separate", shape, chans, ct_bytes=ct_bytes, missing=missing)
         assert self.layout is not None
         flat = list(hist.channels["gh"][perm].ravel())
         counts = hist.counts[perm]
         if not self.compress:
-            return HistogramPayload("packed", shape, {"gh": rerandomize(flat)}, counts, 1, ct_bytes)
+            return HistogramPayload(
+                "packed", shape, {"gh": rerandomize(flat)}, counts, 1, ct_bytes, missing
+            )
         packing = SlotPacking.for_key(self.public_key.n.bit_length(), self.layout.slot_bits)
         compressed = [
             compress(flat[i : i + packing.slots], packing.slot_bits)
             for i in range(0, len(flat), packing.slots)
         ]
         return HistogramPayload(
-            "packed", shape, {"gh": rerandomize(compressed)}, counts, packing.slots, ct_bytes
+            "packed",
+            shape,
+            {"gh": rerandomize(compressed)},
+            counts,
+            packing.slots,
+            ct_bytes,
+            missing,
         )
 
 

@@ -10,6 +10,9 @@ One iteration (mini-batch S of agreed ids, s = |S|), three-party (C holds the on
   5. A, B unmask, divide by s, add λΘ, step.
 The public factor 1/s is applied after decryption rather than encoded into every term, which
 keeps the fixed-point rounding of 1/s out of the sums.
+K hosts A_1 .. A_K (three-party only, as FATE's multi-host hetero-LR with an arbiter): u^A =
+Σ_k u^{A_k}, B sums the hosts' ciphertexts; each host gets [[d]] and is paid its own gradient;
+the loss's cross-host terms come from one extra exchange per host (:class:`ThreePartyProtocol`).
 Two-party (each holds a key pair): A → B: [[u^A]]_A, [[L_A]]_A; B → A: [[2a u^B + b]]_B;
 A → B: [[g_A + R_A]]_B, B decrypts, B → A; B → A: [[g_B + R_B]]_A, A decrypts, A → B;
 B → A: [[L + r]]_A, A decrypts, A → B; B removes r and publishes L.
@@ -36,49 +39,72 @@ from fedloom.vertical.linear_roles import (
     LabelParty,
     QuadraticLoss,
 )
-from fedloom.vertical.messages import PREDICT, Channel
+from fedloom.vertical.messages import PREDICT, Channel, host_name
 
 Protocol = Literal["three_party", "two_party"]
-GUEST, HOST, COORDINATOR = "guest", "host:1", "coordinator"
+GUEST, COORDINATOR = "guest", "coordinator"
 
 
 class ThreePartyProtocol:
-    """Yang et al.'s sequence with coordinator C (module docstring)."""
+    """Yang et al.'s sequence with coordinator C (module docstring), for one or more hosts
+    A_1 .. A_K: B sums their [[u^{A_k}]] into [[u^A]]; each A_k receives [[d]] and sends its
+    own masked gradient to C. The loss needs the cross terms 2a Σ_i u_i^{A_k} U_i^{<k} of
+    a(Σ_k u^{A_k})²: B sends each A_k (k >= 2) [[U^{<k}]] = Σ_{j<k} [[u^{A_j}]], A_k returns
+    [[2a Σ_i u_i^{A_k} U_i^{<k}]] re-randomised (it sees only ciphertexts under C's key)."""
 
-    def __init__(self, a: FeatureParty, b: LabelParty, c: KeyHolder, loss: QuadraticLoss):
-        self.a, self.b, self.c, self.loss = a, b, c, loss
-        self.pub = public_view(c.key)  # what A and B hold of C's key
+    def __init__(
+        self, hosts: Sequence[FeatureParty], b: LabelParty, c: KeyHolder, loss: QuadraticLoss
+    ):
+        self.hosts, self.b, self.c, self.loss = list(hosts), b, c, loss
+        self.pub = public_view(c.key)  # what the hosts and B hold of C's key
         n = public_key_payload(c.key)
         if n:
-            c.send(a, "public_key", n, stage="setup")
-            c.send(b, "public_key", n, stage="setup")
+            for party in (*self.hosts, b):
+                c.send(party, "public_key", n, stage="setup")
 
     def iteration(self, rows: np.ndarray) -> float:
-        a, b, c, pub, loss = self.a, self.b, self.c, self.pub, self.loss
-        enc_u, enc_la, _ = a.score_ciphertexts(pub, loss, rows)
-        m1 = a.send(b, "scores", enc_u, enc_la, stage="scores")
-        enc_d = b.residuals(pub, loss, m1[0], rows)
-        enc_loss = b.loss_ciphertext(pub, loss, m1[0], m1[1], rows)
-        m2 = b.send(a, "residuals", enc_d, stage="residuals")
+        b, c, pub, loss = self.b, self.c, self.pub, self.loss
+        scores = []
+        for a in self.hosts:
+            enc_u, enc_la, _ = a.score_ciphertexts(pub, loss, rows)
+            scores.append(a.send(b, "scores", enc_u, enc_la, stage="scores"))
+        enc_ua = pub.add_many(*(m[0] for m in scores))
+        enc_las = [m[1] for m in scores]
+        prefix = scores[0][0]
+        for a, m in zip(self.hosts[1:], scores[1:], strict=True):
+            sent = b.send(a, "partial_scores", prefix, stage="loss")
+            cross = a.cross_loss(pub, loss, sent[0], rows)
+            enc_las.append(a.send(b, "cross_loss", cross, stage="loss")[0])
+            prefix = pub.add(prefix, m[0])
+        enc_d = b.residuals(pub, loss, enc_ua, rows)
+        enc_loss = b.loss_ciphertext(pub, loss, enc_ua, pub.add_many(*enc_las), rows)
+        residuals = [b.send(a, "residuals", enc_d, stage="residuals") for a in self.hosts]
         m3 = b.send(c, "loss", enc_loss, stage="loss")
-        ga, mask_a = a.masked_gradient(pub, m2[0], rows)  # [[Σ d_i x_i^A + R_A]]
+        masked = [
+            a.masked_gradient(pub, m[0], rows) for a, m in zip(self.hosts, residuals, strict=True)
+        ]
         gb, mask_b = b.masked_gradient(pub, enc_d, rows)
-        m4a = a.send(c, "masked_gradient", ga, stage="gradient")
+        to_c = [
+            a.send(c, "masked_gradient", g, stage="gradient")
+            for a, (g, _) in zip(self.hosts, masked, strict=True)
+        ]
         m4b = b.send(c, "masked_gradient", gb, stage="gradient")
-        back_a = c.send(a, "masked_gradient_plain", c.decrypt_masked(m4a[0]), stage="decrypt")
+        for a, m, (_, mask) in zip(self.hosts, to_c, masked, strict=True):
+            back = c.send(a, "masked_gradient_plain", c.decrypt_masked(m[0]), stage="decrypt")
+            a.step(pub, back[0], mask, len(rows))
         back_b = c.send(b, "masked_gradient_plain", c.decrypt_masked(m4b[0]), stage="decrypt")
-        a.step(pub, back_a[0], mask_a, len(rows))
         b.step(pub, back_b[0], mask_b, len(rows))
         value = c.decrypt_loss(m3[0], len(rows))
-        c.send(a, "loss_value", value, stage="loss")
-        c.send(b, "loss_value", value, stage="loss")
+        for party in (*self.hosts, b):
+            c.send(party, "loss_value", value, stage="loss")
         return value
 
-    def predict(self, x_b: np.ndarray, x_a: np.ndarray) -> np.ndarray:
-        """Yang et al. Table 2: C asks A and B for their scores and outputs the sum."""
-        ua = self.a.send(self.c, "scores_plain", self.a.scores(x_a), stage=PREDICT)
-        ub = self.b.send(self.c, "scores_plain", self.b.scores(x_b), stage=PREDICT)
-        return ua[0] + ub[0]
+    def predict(self, x_b: np.ndarray, x_hosts: Sequence[np.ndarray]) -> np.ndarray:
+        """Yang et al. Table 2: C asks every party for its scores and outputs the sum."""
+        total = self.b.send(self.c, "scores_plain", self.b.scores(x_b), stage=PREDICT)[0]
+        for a, x in zip(self.hosts, x_hosts, strict=True):
+            total = total + a.send(self.c, "scores_plain", a.scores(x), stage=PREDICT)[0]
+        return total
 
 
 class TwoPartyProtocol:
@@ -124,8 +150,9 @@ class TwoPartyProtocol:
         b.send(a, "loss_value", value, stage="loss")
         return value
 
-    def predict(self, x_b: np.ndarray, x_a: np.ndarray) -> np.ndarray:
+    def predict(self, x_b: np.ndarray, x_hosts: Sequence[np.ndarray]) -> np.ndarray:
         """A sends its scores to B, which outputs the sum."""
+        (x_a,) = x_hosts
         ua = self.a.send(self.b, "scores_plain", self.a.scores(x_a), stage=PREDICT)
         return ua[0] + self.b.scores(x_b)
 
@@ -216,17 +243,18 @@ class _VerticalGLM:
         """Train on the parties' blocks (guest first) and the guest's labels; ``resume``: a
         :meth:`state_dict` to continue from (the same data and settings)."""
         blocks = check_parts(parts, len(y))
-        if len(blocks) != 2:
+        if self.protocol == "two_party" and len(blocks) != 2:
             raise ValueError(
-                f"vertical linear/logistic regression takes exactly two parties (guest, host), "
-                f"got {len(blocks)}"
+                f"the two-party protocol takes exactly two parties (guest, host), got "
+                f"{len(blocks)}: more hosts need protocol='three_party' (a coordinator)"
             )
         n = len(y)
         s = n if self.batch_size is None else min(self.batch_size, n)
-        if s <= 2 * blocks[1].shape[1]:
+        widest = max(block.shape[1] for block in blocks[1:])
+        if s <= 2 * widest:
             warnings.warn(
-                f"batch size {s} is not much larger than the host's {blocks[1].shape[1]} "
-                "features: the host could solve Σ d_i x_i for the residuals (label leakage)",
+                f"batch size {s} is not much larger than a host's {widest} features: the host "
+                "could solve Σ d_i x_i for the residuals (label leakage)",
                 stacklevel=2,
             )
         self.channel_ = channel = Channel(keep_messages=self.keep_messages)
@@ -239,14 +267,18 @@ class _VerticalGLM:
             self.reg_lambda,
             self.fit_intercept,
         )
-        a = FeatureParty(HOST, channel, blocks[1], self.lr, self.reg_lambda)
-        self.parties_ = (b, a)
+        hosts = [
+            FeatureParty(host_name(k), channel, block, self.lr, self.reg_lambda)
+            for k, block in enumerate(blocks[1:], start=1)
+        ]
+        self.parties_ = (b, *hosts)
         if self.protocol == "three_party":
             c = KeyHolder(COORDINATOR, channel, self._key(channel))
             self.protocol_: ThreePartyProtocol | TwoPartyProtocol = ThreePartyProtocol(
-                a, b, c, self.loss
+                hosts, b, c, self.loss
             )
         else:
+            (a,) = hosts
             a.key, b.key = self._key(channel), self._key(channel)
             self.protocol_ = TwoPartyProtocol(a, b, self.loss)
         self.loss_history_ = []
@@ -256,7 +288,8 @@ class _VerticalGLM:
         def iteration(t: int) -> float:
             rows = self._batch(t, n, s)
             if s < n:
-                b.send(a, "batch_ids", rows, stage="batch")
+                for a in hosts:
+                    b.send(a, "batch_ids", rows, stage="batch")
             return self.protocol_.iteration(rows)
 
         iterate(self, channel, iteration, callback)
@@ -299,12 +332,13 @@ class _VerticalGLM:
     @property
     def coef_(self) -> list[np.ndarray]:
         """Coefficients per party, guest first (the guest's without its intercept)."""
-        b, a = self.parties_
-        return [b.theta[:-1] if self.fit_intercept else b.theta.copy(), a.theta.copy()]
+        b, *hosts = self.parties_
+        guest = b.theta[:-1] if self.fit_intercept else b.theta.copy()
+        return [guest, *(a.theta.copy() for a in hosts)]
 
     @property
     def intercept_(self) -> float:
-        b, _ = self.parties_
+        b = self.parties_[0]
         return float(b.theta[-1]) if self.fit_intercept else 0.0
 
     @property
@@ -316,7 +350,9 @@ class _VerticalGLM:
     def decision_function(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         """Joint scores u^B + u^A of new rows, computed across the parties."""
         blocks = check_parts(parts)
-        return np.asarray(self.protocol_.predict(blocks[0], blocks[1]))
+        if len(blocks) != len(self.parties_):
+            raise ValueError(f"expected {len(self.parties_)} parties' blocks, got {len(blocks)}")
+        return np.asarray(self.protocol_.predict(blocks[0], blocks[1:]))
 
 
 class VerticalLinear(_VerticalGLM):

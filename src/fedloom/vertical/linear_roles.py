@@ -110,6 +110,15 @@ class FeatureParty(_DataParty):
         l_a = loss.a * float(u @ u) + len(rows) * reg
         return backend.encrypt(u), backend.encrypt(np.array([l_a])), u
 
+    def cross_loss(
+        self, backend: HEBackend, loss: QuadraticLoss, prefix: EncryptedArray, rows: np.ndarray
+    ) -> EncryptedArray:
+        """[[2a Σ_i u_i U_i]] for the other hosts' summed scores [[U]] (the cross terms of
+        a(Σ_k u^{A_k})², module linear_model), re-randomised: a fresh-looking ciphertext to
+        the guest, which knows the [[U]] it sent."""
+        u = self.scores(rows=rows)
+        return backend.rerandomize(backend.matmul_plain(2 * loss.a * u[None, :], prefix))
+
 
 class LabelParty(_DataParty):
     """Party B (the guest): features, a column of ones (its coefficient is the intercept) and

@@ -25,6 +25,11 @@ PREDICT = "predict"
 """Stage of the messages exchanged for cross-party prediction (not training)."""
 
 
+def host_name(index: int) -> str:
+    """The name of host (passive party) ``index`` (1, 2, ...: the parties' order)."""
+    return f"host:{index}"
+
+
 @dataclass(frozen=True)
 class Message:
     """One message: its ``kind`` and its payload items (arrays, encrypted arrays, ints)."""

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from fedloom.engine.loop import RunResult
 from fedloom.engine.shell import RunShell, base_summary
+from fedloom.errors import ConfigError
 from fedloom.vertical.config import (
     FTLConfig,
     SecureBoostConfig,
@@ -53,6 +54,27 @@ def binary_metrics(scores: np.ndarray, y: np.ndarray, prob: np.ndarray) -> dict[
         "accuracy": float(np.mean((scores > 0) == (y01 == 1))),
         "auc": float(roc_auc_score(y01, scores)),
         "loss": float(log_loss(y01, p, labels=[0, 1])),
+    }
+
+
+def multiclass_metrics(prob: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Accuracy (arg max), macro one-vs-rest ROC AUC and log loss of class probabilities."""
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    labels = np.arange(prob.shape[1])
+    yi = np.asarray(y).astype(np.int64)
+    p = np.clip(prob, 1e-15, 1.0)
+    p = p / p.sum(axis=1, keepdims=True)
+    present = np.unique(yi)
+    auc = (
+        roc_auc_score(yi, p, multi_class="ovr", labels=labels)
+        if len(present) == len(labels)
+        else float("nan")
+    )
+    return {
+        "accuracy": float(np.mean(np.argmax(prob, axis=1) == yi)),
+        "auc": float(auc),
+        "loss": float(log_loss(yi, p, labels=labels)),
     }
 
 
@@ -113,15 +135,17 @@ def run_vertical(
     write: bool = True,
     data: Any = None,
     resume: str | Path | None = None,
+    accept_config_change: bool = False,
     on_round: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Run a vertical config (mapping, path or :class:`VerticalRunConfig`), or continue the
-    run directory ``resume`` from its newest checkpoint. ``data``: a
+    run directory ``resume`` from its newest checkpoint (``accept_config_change``:
+    engine/shell.py, ``check_drift``). ``data``: a
     :class:`~fedloom.vertical.data.VerticalData` of the user's own arrays instead of the
     configured dataset (not for ftl). ``on_round(r)`` is called after each finished iteration
     or tree (tests kill a run through it)."""
     shell, cfg, saved = RunShell.open(
-        config, parse_vertical_config, _shell_args, out, write, resume
+        config, parse_vertical_config, _shell_args, out, write, resume, accept_config_change
     )
     algo = cfg.algorithm
     recorder = _Recorder(shell, on_round)
@@ -137,6 +161,7 @@ def run_vertical(
                 cfg.data.test_fraction,
                 cfg.seed,
                 cfg.data.standardize_target,
+                cfg.data.missing_fraction,
             )
         model, extra = _run_vertical(cfg, algo, data, recorder, saved and saved["model"])
     channel: Channel = model.channel_
@@ -192,8 +217,7 @@ def _run_vertical(
 
     binary = data.task == "binary"
     if isinstance(algo, SecureBoostConfig):
-        objective = "binary:logistic" if binary else "reg:squarederror"
-        model: Any = _estimator(SecureBoost, algo, cfg, objective=objective)
+        model: Any = _estimator(SecureBoost, algo, cfg, **_boosting_task(algo, data))
     else:
         cls = VerticalLogistic if isinstance(algo, VerticalLogisticConfig) else VerticalLinear
         assert isinstance(algo, VerticalLinearConfig)
@@ -202,6 +226,8 @@ def _run_vertical(
     def evaluate() -> dict[str, float]:
         if isinstance(model, SecureBoost):
             margin = model.predict_margin(data.test_parts).astype(np.float64)
+            if model.objective.is_multiclass:
+                return multiclass_metrics(model.objective.transform(margin), data.y_test)
             if binary:
                 return binary_metrics(margin, data.y_test, model.objective.transform(margin))
             return regression_metrics(margin, data.y_test, data.y_scale)
@@ -212,7 +238,7 @@ def _run_vertical(
 
     def callback(t: int, m: Any) -> None:
         if isinstance(m, SecureBoost):
-            loss = _train_loss(m.train_margin_, data.y_train, binary)
+            loss = m.objective.loss(m.train_margin_, data.y_train)
         else:
             loss = m.loss_history_[-1]
         recorder(t, m, loss, evaluate)
@@ -238,11 +264,19 @@ def _estimator(
     return cls(**kwargs)
 
 
-def _train_loss(margin: np.ndarray, y: np.ndarray, binary: bool) -> float:
-    m = margin.astype(np.float64)
-    if binary:
-        return float(np.mean(np.logaddexp(0.0, m) - y * m))
-    return float(0.5 * np.mean((m - y) ** 2))
+def _boosting_task(algo: SecureBoostConfig, data: VerticalData) -> dict[str, Any]:
+    """SecureBoost's objective and num_class: the configured ones, else from the task."""
+    default = {"binary": "binary:logistic", "regression": "reg:squarederror"}
+    objective = algo.objective or default.get(data.task, "multi:softprob")
+    if objective != "multi:softprob":
+        return {"objective": objective, "num_class": None}
+    if data.task == "regression":
+        raise ConfigError("algorithm.objective multi:softprob needs class labels, not a regression")
+    found = int(np.max(data.y_train)) + 1
+    num_class = algo.num_class or found
+    if num_class < found:
+        raise ConfigError(f"algorithm.num_class = {num_class}, but the labels go up to {found - 1}")
+    return {"objective": objective, "num_class": num_class}
 
 
 def _run_ftl(

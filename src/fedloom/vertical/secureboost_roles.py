@@ -6,8 +6,11 @@ What each learns. A host receives [[g]], [[h]] (never plaintext), the instance i
 node it builds histograms for, and which of its own (feature, bucket) won a split; it keeps
 the thresholds. The guest receives, per node and host, bucket sums over *opaque* feature ids
 (a fresh permutation per node, so the guest cannot even link a host feature across nodes),
-bucket counts with GH packing, the ids going left at a host split, and at prediction one
-direction bit per (host node, instance). It stores only (party, record id) for host splits.
+bucket counts with GH packing, one bit per opaque feature saying whether some instance of the
+node lacks it (missing values: the guest then also scans that feature backward), the ids going
+left at a host split, and at prediction one direction bit per (host node, instance). It stores
+only (party, record id) for host splits; the host keeps (feature, threshold, default direction)
+and applies the direction to its own missing values.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 
 from fedloom.core.rng import numpy_rng
 from fedloom.secure.paillier import PaillierKeypair
-from fedloom.vertical.binning import QuantileCuts
+from fedloom.vertical.binning import QuantileCuts, goes_left
 from fedloom.vertical.histograms import (
     DEFAULT_GH_FRAC_BITS,
     EncryptedGradients,
@@ -31,7 +34,7 @@ from fedloom.vertical.histograms import (
     encode_gradients,
 )
 from fedloom.vertical.messages import Channel, Party
-from fedloom.vertical.tree import Candidate, TreeParams, best_candidate, scan_features
+from fedloom.vertical.tree import Candidate, Scan, TreeParams, scan_features
 
 
 class _IdsMessage:
@@ -70,28 +73,22 @@ class SplitRecord(_IdsMessage):
 
 @dataclass(frozen=True)
 class HostCandidates:
-    """What the guest learns from one host's histogram at one node: per opaque feature the best
-    loss_chg, bin and left sums, and the maximum."""
+    """What the guest learns from one host's histogram at one node: per opaque feature the
+    best candidate (module ``tree``'s :class:`~fedloom.vertical.tree.Scan`), and the maximum."""
 
-    loss_chg: np.ndarray
-    bins: np.ndarray
-    grad_left: np.ndarray
-    hess_left: np.ndarray
+    scan: Scan
 
-    def best(self) -> tuple[float, list[tuple[int, int]]]:
-        """The best loss_chg and every (opaque feature, bin) that reaches it."""
-        top = float(np.max(self.loss_chg)) if self.loss_chg.size else -np.inf
-        tied = np.flatnonzero(self.loss_chg == np.float32(top)) if np.isfinite(top) else []
-        return top, [(int(j), int(self.bins[j])) for j in tied]
+    def best(self) -> tuple[float, list[tuple[int, int, bool]]]:
+        """The best loss_chg and every (opaque feature, bin, default_left) that reaches it."""
+        chg = self.scan.loss_chg
+        top = float(np.max(chg)) if chg.size else -np.inf
+        tied = np.flatnonzero(chg == np.float32(top)) if np.isfinite(top) else []
+        return top, [
+            (int(j), int(self.scan.bins[j]), bool(self.scan.default_left[j])) for j in tied
+        ]
 
     def candidate(self, opaque: int) -> Candidate:
-        return Candidate(
-            float(self.loss_chg[opaque]),
-            opaque,
-            int(self.bins[opaque]),
-            float(self.grad_left[opaque]),
-            float(self.hess_left[opaque]),
-        )
+        return self.scan.candidate(opaque)
 
 
 class Host(Party):
@@ -106,8 +103,9 @@ class Host(Party):
         self.bins = self.cuts.bin(self.x)
         self.index = index
         self.seed = seed
-        self.lookup: dict[int, tuple[int, float]] = {}
-        """record id -> (feature, threshold): the host's half of every host split."""
+        self.lookup: dict[int, tuple[int, float, bool]] = {}
+        """record id -> (feature, threshold, default_left): the host's half of every host
+        split; the direction of its missing values stays with the host."""
         self._kernel: HistogramKernel | None = None
         self._hists: dict[int, HostHistogram] = {}
         self._ids: dict[int, np.ndarray] = {}
@@ -159,27 +157,28 @@ class Host(Party):
             out.append(kernel.export(self._hists[r.node_id], perm))
         return out
 
-    def split(self, node_id: int, tied: list[tuple[int, int]]) -> SplitRecord:
+    def split(self, node_id: int, tied: list[tuple[int, int, bool]]) -> SplitRecord:
         """Store the split the guest chose (among tied candidates, the lowest true feature
-        index: XGBoost's tie rule), return its record id and the ids going left."""
+        index: XGBoost's tie rule) with its default direction, return its record id and the
+        ids going left (missing values: the default direction)."""
         perm = self._perm[node_id]
-        opaque, bin_index = min(tied, key=lambda t: int(perm[t[0]]))
+        opaque, bin_index, default_left = min(tied, key=lambda t: int(perm[t[0]]))
         feature = int(perm[opaque])
-        threshold = self.cuts.threshold(feature, bin_index)
+        threshold = self.cuts.threshold(feature, bin_index, default_left)
         record_id = len(self.lookup)
-        self.lookup[record_id] = (feature, threshold)
+        self.lookup[record_id] = (feature, threshold, default_left)
         ids = self._ids[node_id]
-        left = ids[self.x[ids, feature].astype(np.float32) < np.float32(threshold)]
+        left = ids[goes_left(self.x[ids, feature], threshold, default_left)]
         return SplitRecord(record_id, opaque, left)
 
     def directions(self, x: np.ndarray, record_ids: list[int]) -> np.ndarray:
         """Prediction: for each asked record and each instance of ``x`` (the host's block of
         new rows), 1 if the instance goes left."""
-        x32 = np.asarray(x, dtype=np.float32)
-        bits = np.zeros((len(record_ids), x32.shape[0]), dtype=bool)
+        x = np.asarray(x)
+        bits = np.zeros((len(record_ids), x.shape[0]), dtype=bool)
         for i, r in enumerate(record_ids):
-            feature, threshold = self.lookup[r]
-            bits[i] = x32[:, feature] < np.float32(threshold)
+            feature, threshold, default_left = self.lookup[r]
+            bits[i] = goes_left(x[:, feature], threshold, default_left)
         return bits
 
     def to_dict(self) -> dict[str, Any]:
@@ -239,7 +238,10 @@ class Guest(Party):
         """The best split over the guest's own features (plain histograms)."""
         assert self._own is not None
         hist = self._own.build(self.bins, ids, self.cuts.max_bins)
-        return best_candidate(self.params, hist.channels["g"], hist.channels["h"], node_g, node_h)
+        channels = hist.channels
+        return scan_features(
+            self.params, channels["g"], channels["h"], node_g, node_h, hist.missing
+        ).best()
 
     def host_candidates(
         self, payload: HistogramPayload, node_g: float, node_h: float
@@ -255,8 +257,11 @@ class Guest(Party):
                 layout=grads.layout,
                 g_offset=enc.g_offset,
             )
-        chg, bins, gl, hl = scan_features(self.params, hist_g, hist_h, node_g, node_h)
-        return HostCandidates(chg, bins, gl, hl)
+        return HostCandidates(
+            scan_features(self.params, hist_g, hist_h, node_g, node_h, payload.missing)
+        )
 
-    def left_ids(self, ids: np.ndarray, feature: int, threshold: float) -> np.ndarray:
-        return ids[self.x[ids, feature].astype(np.float32) < np.float32(threshold)]
+    def left_ids(
+        self, ids: np.ndarray, feature: int, threshold: float, default_left: bool
+    ) -> np.ndarray:
+        return ids[goes_left(self.x[ids, feature], threshold, default_left)]
