@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,16 @@ def fuzz(test):
 
 
 TALLY: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inside_a_scratch_folder(tmp_path_factory) -> Iterator[None]:
+    """Commands that write into the working directory (``compare`` without --out) write into a
+    scratch folder, not the repository."""
+    before = Path.cwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(before)
 
 
 @pytest.fixture(scope="module")
