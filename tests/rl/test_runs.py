@@ -80,7 +80,8 @@ def test_pavg_run_directory_and_summary(tmp_path):
     "algorithm",
     [
         {"name": "pavg_embedding", "mu": 0.1},
-        {"name": "qavg", "learning_starts": 8, "batch_size": 8, "target_every": 3},
+        # double DQN with the federated target network (issue #28)
+        {"name": "qavg", "learning_starts": 8, "batch_size": 8, "target_every": 3, "double": True},
         {"name": "pavg_ppo_embedding", "mu": 0.1, "num_steps": 8},
         {"name": "vertical_dqn", "learning_starts": 8, "batch_size": 8, "noise_std": 0.1},
     ],
