@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+import torch
+
+import fedloom
+from fedloom.config import parse_config
+from fedloom.data import load_dataset
+from fedloom.engine.loop import Engine
+from fedloom.engine.rundir import RunDir
+from fedloom.peft import build_peft_model
+from tests.conftest import metrics_without_time
+from tests.resume import Crash, crash_at
+
 TINY_CLIENTS = 4
 
 
@@ -32,3 +44,27 @@ def tiny_config(
         "monitor": {"enabled": False},
         "executor": {"kind": executor},
     }
+
+
+def resume_matches(tmp_path, cfg: dict[str, Any]) -> None:
+    """Killed in its last round, resumed from the checkpoint before: the same run."""
+    full = fedloom.run(cfg, out=tmp_path / "full", progress=False)
+    parsed = parse_config(cfg)
+    data = load_dataset(parsed.data, parsed.seed)
+    run_dir = RunDir.create(tmp_path / "killed")
+    run_dir.write_config(parsed.to_yaml())
+    engine = Engine(
+        parsed,
+        data,
+        build_peft_model(parsed, data.num_outputs),
+        run_dir=run_dir,
+        upload_transforms=[crash_at(cfg["train"]["rounds"])],
+    )
+    with pytest.raises(Crash):
+        engine.run()
+    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
+    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
+    assert resumed.summary["extras"] == full.summary["extras"]
+    for c, params in full.client_params.items():
+        for k, v in params.items():
+            assert torch.equal(v, resumed.client_params[c][k]), (c, k)

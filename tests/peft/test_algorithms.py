@@ -15,14 +15,11 @@ from fedloom.audit.finished_run import load_finished_run
 from fedloom.config import parse_config
 from fedloom.data import load_dataset
 from fedloom.engine.loop import Engine
-from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
 from fedloom.models.transformer import PeftSpec
 from fedloom.peft import build_peft_model
 from fedloom.peft.sharing import RANK, Pruning, StrategySharing
-from tests.conftest import metrics_without_time
-from tests.peft.helpers import TINY_CLIENTS, tiny_config
-from tests.resume import Crash, crash_at
+from tests.peft.helpers import TINY_CLIENTS, resume_matches, tiny_config
 
 HIDDEN, R, LAYERS, TARGETS, CLASSES = 32, 4, 2, 2, 5
 HEAD_BYTES = (CLASSES * HIDDEN + CLASSES) * 4
@@ -211,30 +208,6 @@ def test_audit_rebuilds_the_peft_models(tmp_path):
             assert torch.equal(params[k], v), (c, k)
     final = result.summary["final"]["personalized"]["accuracy_mean"]
     assert run.evaluation["personalized"]["accuracy_mean"] == pytest.approx(final, abs=1e-12)
-
-
-def resume_matches(tmp_path, cfg: dict[str, Any]) -> None:
-    """Killed in its last round, resumed from the checkpoint before: the same run."""
-    full = fedloom.run(cfg, out=tmp_path / "full", progress=False)
-    parsed = parse_config(cfg)
-    data = load_dataset(parsed.data, parsed.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(parsed.to_yaml())
-    engine = Engine(
-        parsed,
-        data,
-        build_peft_model(parsed, data.num_outputs),
-        run_dir=run_dir,
-        upload_transforms=[crash_at(cfg["train"]["rounds"])],
-    )
-    with pytest.raises(Crash):
-        engine.run()
-    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
-    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
-    assert resumed.summary["extras"] == full.summary["extras"]
-    for c, params in full.client_params.items():
-        for k, v in params.items():
-            assert torch.equal(v, resumed.client_params[c][k]), (c, k)
 
 
 def test_resume_fedsa_ditto_with_adamw(tmp_path):

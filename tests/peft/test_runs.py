@@ -11,12 +11,9 @@ from fedloom.config import parse_config
 from fedloom.core.protocol import ClientResult
 from fedloom.data import load_dataset
 from fedloom.engine.loop import Engine
-from fedloom.engine.rundir import RunDir
 from fedloom.errors import ConfigError
 from fedloom.peft import build_peft_model
-from tests.conftest import metrics_without_time
-from tests.peft.helpers import TINY_CLIENTS, tiny_config
-from tests.resume import Crash, crash_at
+from tests.peft.helpers import TINY_CLIENTS, resume_matches, tiny_config
 
 HIDDEN, R, LAYERS, TARGETS, CLASSES = 32, 4, 2, 2, 5
 HEAD_BYTES = (CLASSES * HIDDEN + CLASSES) * 4
@@ -90,26 +87,7 @@ def test_sequential_equals_vectorized(share, kind, extra):
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    config = tiny_config("a", rounds=3)
-    full = fedloom.run(config, out=tmp_path / "full", progress=False)
-    cfg = parse_config(config)
-    data = load_dataset(cfg.data, cfg.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(cfg.to_yaml())
-    engine = Engine(
-        cfg,
-        data,
-        build_peft_model(cfg, data.num_outputs),
-        run_dir=run_dir,
-        upload_transforms=[crash_at(3)],
-    )
-    with pytest.raises(Crash):
-        engine.run()
-    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
-    assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
-    for c, params in full.client_params.items():
-        for k, v in params.items():
-            assert torch.equal(v, resumed.client_params[c][k]), (c, k)
+    resume_matches(tmp_path, tiny_config("a", rounds=3))
 
 
 @pytest.mark.parametrize("algorithm", ["fedprox", "ditto", "fedrep", "pfedme"])
