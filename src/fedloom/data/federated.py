@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedloom.core.protocol import ClientData
+from fedloom.data.augment import AugmentSpec
 from fedloom.errors import DataError
 
 __all__ = ["ClientData", "FederatedData", "from_arrays"]
@@ -33,6 +34,8 @@ class FederatedData:
     num_outputs: int
     client_names: list[str] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
+    augment: AugmentSpec | None = None
+    """Train-time augmentation of the clients' training samples (data/augment.py), or None."""
 
     def __post_init__(self) -> None:
         if not self.client_names:
