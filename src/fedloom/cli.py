@@ -373,6 +373,56 @@ def tune(
 
 
 @app.command()
+def sweep(
+    spec: Annotated[Path, typer.Argument(help="sweep YAML: base, grid, seeds")],
+    out: Annotated[Path, typer.Option(help="sweep directory (the same one continues the sweep)")],
+    jobs: Annotated[
+        int | None, typer.Option(min=1, help="runs at once on this machine (default: cores)")
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch threads per run (default: cores // jobs; 1 on Ray)"),
+    ] = None,
+    ray: Annotated[
+        str | None, typer.Option(help="run on the Ray cluster at HOST:PORT, one task per run")
+    ] = None,
+    progress: Annotated[
+        bool | None, typer.Option(help="the progress bar (default: when stderr is a terminal)")
+    ] = None,
+    compare: Annotated[bool, typer.Option(help="also write DIR/compare.html")] = True,
+    debug: DebugOption = False,
+) -> None:
+    """Run every cell of a grid at every seed, each as its own run directory, in parallel;
+    write results.csv, table.md, table.tex and compare.html (docs/benchmarks.md). Exit 1
+    when a run failed (results.csv has its error)."""
+    try:
+        from fedloom.sweep import sweep as sweep_api
+
+        result = sweep_api(
+            spec, out, jobs=jobs, threads=threads, ray=ray, progress=progress, compare=compare
+        )
+    except (Exception, KeyboardInterrupt) as err:
+        if isinstance(err, KeyboardInterrupt):
+            err_console.print("interrupted; the same command continues the sweep")
+            raise typer.Exit(130) from None
+        _fail(err, debug)
+        return
+    failed = result.failed
+    for row in failed:
+        err_console.print(
+            f"[bold red]failed:[/] {escape(str(row['run_dir']))}: {escape(str(row['error']))}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    typer.echo(
+        f"sweep directory: {result.out}\n{len(result.rows) - len(failed)} of "
+        f"{len(result.rows)} runs finished ({result.ran} run now)\n{result.out / 'table.md'}"
+    )
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a finished run directory (with serving)")],
     out: Annotated[
