@@ -32,6 +32,7 @@ from fedloom.config import RunConfig, load_yaml, parse_config
 from fedloom.core.settings import StrictModel
 from fedloom.core.validation import format_validation_error
 from fedloom.errors import ConfigError
+from fedloom.models import MODELS
 from fedloom.tune.space import apply_params, override_items
 
 NAME_LIMIT = 100
@@ -123,11 +124,12 @@ def value_texts(values: dict[str, Any]) -> dict[str, str]:
 
 
 def cell_name(values: dict[str, Any]) -> str:
-    """``key=value,key=value`` with characters a file name should not hold replaced by ``_``;
-    ``base`` for the empty grid."""
+    """``key=value,key=value`` without spaces, other characters a file name should not hold
+    replaced by ``_`` (``data.partition=_alpha_0.1,kind_dirichlet_``); ``base`` for the empty
+    grid."""
     if not values:
         return "base"
-    text = ",".join(override_items(values))
+    text = ",".join(override_items(values)).replace(" ", "")
     return _UNSAFE.sub("_", text).strip("._") or "cell"
 
 
@@ -150,7 +152,10 @@ def check_cell_config(raw: dict[str, Any], where: str) -> RunConfig:
                 "kind: fedloom sweep runs horizontal configs (a federated RL or vertical config "
                 "runs with fedloom run)"
             )
-        return resolve_defaults(parse_config(raw))
+        cfg = resolve_defaults(parse_config(raw))
+        if cfg.peft is None:  # the model's name, as fedloom.run checks it before loading data
+            MODELS.get(cfg.model.name)
+        return cfg
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
 
