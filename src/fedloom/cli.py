@@ -416,7 +416,7 @@ def sweep(
         )
     typer.echo(
         f"sweep directory: {result.out}\n{len(result.rows) - len(failed)} of "
-        f"{len(result.rows)} runs finished ({result.ran} run now)\n{result.out / 'table.md'}"
+        f"{len(result.rows)} runs finished; this call ran {result.ran}\n{result.out / 'table.md'}"
     )
     if failed:
         raise typer.Exit(1)

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from fedloom.cli import app
 from fedloom.sweep import sweep
 from tests.conftest import metrics_without_time
 from tests.sweep.specs import BASE, write_spec
@@ -69,8 +71,13 @@ def test_a_failed_cell_is_recorded_and_finished_runs_are_not_rerun(tmp_path):
         "runs": {"0": "runs/model.name=cnn/seed_0"},
     }
     mtime = (run_dir / "summary.json").stat().st_mtime_ns
-    again = sweep(spec, out, jobs=2, progress=False, compare=False)
-    assert again.ran == 1 and (run_dir / "summary.json").stat().st_mtime_ns == mtime
+    # again, from the command line: exit 1 naming the failed run
+    args = ["sweep", str(spec), "--out", str(out), "--jobs", "2", "--no-progress", "--no-compare"]
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 1, again.output
+    assert "failed: runs/model.name=cnn/seed_0: ConfigError: model.name: cnn" in again.output
+    assert "1 of 2 runs finished; this call ran 1" in again.stdout
+    assert (run_dir / "summary.json").stat().st_mtime_ns == mtime
     assert read_rows(out) == rows
     log = (out / "logs" / "model.name=cnn" / "seed_0.log").read_text()
     assert log.count("fresh") == 2  # tried twice, never resumed (no checkpoint)
@@ -127,7 +134,7 @@ def test_a_killed_sweep_finishes_on_rerun_as_if_never_killed(tmp_path):
     finished_at = (first / "summary.json").stat().st_mtime_ns
     rerun = subprocess.run(_cli(spec, out), capture_output=True, text=True, check=False)
     assert rerun.returncode == 0, rerun.stderr
-    assert "2 of 2 runs finished (1 run now)" in rerun.stdout
+    assert "2 of 2 runs finished; this call ran 1" in rerun.stdout
     assert (first / "summary.json").stat().st_mtime_ns == finished_at
     assert "resume" in (out / "logs/algorithm.name=ditto/seed_0.log").read_text()
     whole = tmp_path / "whole"
