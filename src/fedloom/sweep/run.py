@@ -136,7 +136,8 @@ def sweep(
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
-    out = Path(out)
+    given = Path(out)
+    out = given.absolute()  # the workers (Ray's too) may start elsewhere
     open_out(out, sweep)
     all_jobs = plan(sweep, out)
     cells = {c.name: c for c in sweep.cells()}
@@ -182,7 +183,7 @@ def sweep(
         write_sweep_comparison(
             out, [j for j in all_jobs if rows[(j.cell, j.seed)]["status"] == "finished"]
         )
-    return SweepResult(out, list(rows.values()), len(todo))
+    return SweepResult(given, list(rows.values()), len(todo))
 
 
 def write_sweep_comparison(out: Path, finished: list[Job]) -> Path | None:
