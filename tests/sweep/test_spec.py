@@ -137,3 +137,15 @@ def test_a_dir_holding_something_else_is_refused(tmp_path):
     (out / "notes.txt").write_text("mine")
     done = invoke(write_spec(tmp_path), out)
     assert done.exit_code == 2 and "holds no sweep.yaml" in done.output
+
+
+def test_a_second_sweep_in_a_running_ones_dir_is_refused(tmp_path):
+    import fcntl
+
+    out, spec = tmp_path / "out", write_spec(tmp_path)
+    open_out(out, load_spec(spec))
+    with (out / ".lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running sweep holds it
+        done = invoke(spec, out)
+    assert done.exit_code == 2 and "another fedloom sweep is running there" in done.output
+    assert not (out / "runs").exists()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,31 @@ def open_out(out: Path, sweep: Sweep) -> None:
         raise RunDirError(f"cannot write --out {out}: {err.strerror}") from None
 
 
+LOCK_FILE = ".lock"
+
+
+@contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold DIR/.lock (an advisory ``flock``, released when the process ends, however it ends)
+    for the sweep's duration: two sweeps in one directory would run the same runs twice."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with (out / LOCK_FILE).open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirError(
+                f"--out {out}: another fedloom sweep is running there; wait for it, or stop it"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def plan(sweep: Sweep, out: Path) -> list[Job]:
     """Every run of the sweep, cells in grid order and seeds in SPEC order; writes cells.json."""
     jobs, index = [], []
@@ -139,6 +166,20 @@ def sweep(
     given = Path(out)
     out = given.absolute()  # the workers (Ray's too) may start elsewhere
     open_out(out, sweep)
+    with locked(out):
+        return _sweep(sweep, out, given, jobs, threads, ray, progress, compare)
+
+
+def _sweep(
+    sweep: Sweep,
+    out: Path,
+    given: Path,
+    jobs: int | None,
+    threads: int | None,
+    ray: str | None,
+    progress: bool | None,
+    compare: bool,
+) -> SweepResult:
     all_jobs = plan(sweep, out)
     cells = {c.name: c for c in sweep.cells()}
     values = {name: value_texts(c.values) for name, c in cells.items()}
