@@ -13,6 +13,7 @@ from fedloom.data import (  # noqa: F401  (registration side effects)
     femnist,
     mnist,
     partitioners,
+    pfllib_partitions,
     quadratic,
     shakespeare,
     synthetic,

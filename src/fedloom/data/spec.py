@@ -51,5 +51,5 @@ class DatasetSpec:
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset", "data.name")
 
-IMAGE_PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "rotation")
+IMAGE_PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "rotation", "pathological")
 NATURAL = ("natural",)

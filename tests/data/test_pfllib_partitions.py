@@ -1,0 +1,129 @@
+"""PFLlib's partitions: 'pat' (pathological), Dirichlet's min-size rule, ExDir, noise skew."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedloom.core.rng import numpy_rng
+from fedloom.data import PARTITIONS, load_dataset
+from fedloom.data.pfllib_partitions import pat_clients_per_class, pfllib_least_samples
+from fedloom.errors import ConfigError
+
+
+def _blocks(per_class: int = 100, classes: int = 10) -> np.ndarray:
+    """``per_class`` samples of each class, interleaved (0, 1, ..., 0, 1, ...)."""
+    return np.tile(np.arange(classes), per_class)
+
+
+def _held(labels: np.ndarray, parts: list[np.ndarray]) -> list[list[int]]:
+    return [sorted(np.unique(labels[p]).tolist()) for p in parts]
+
+
+def _cover(parts: list[np.ndarray], n: int) -> None:
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(n))
+
+
+# -- pathological ('pat') ----------------------------------------------------------------------
+
+
+def test_pat_choice_of_clients_by_hand() -> None:
+    # PFLlib: class i goes to the first ceil(N/C k) clients that still need a class.
+    # N=4, C=4, k=2: cap 2; clients 0,1 take classes 0,1; clients 2,3 take classes 2,3.
+    assert pat_clients_per_class(4, 4, 2) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # N=5, C=10, k=2: cap 1; client j takes classes 2j, 2j+1.
+    assert pat_clients_per_class(5, 10, 2) == [[0], [0], [1], [1], [2], [2], [3], [3], [4], [4]]
+    # N=6, C=4, k=2: cap 3.
+    assert pat_clients_per_class(6, 4, 2) == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+    # PFLlib's floor: min(40, n / N / 2)
+    assert pfllib_least_samples(70000, 20) == 40
+    assert pfllib_least_samples(1000, 20) == 25
+
+
+@pytest.mark.parametrize(("num_clients", "k"), [(20, 2), (10, 5), (50, 1), (4, 10), (30, 3)])
+@pytest.mark.parametrize("balanced", [True, False])
+def test_each_client_exactly_k_classes(num_clients: int, k: int, balanced: bool) -> None:
+    labels = _blocks(120, 10) if k != 3 else _blocks(120, 9)
+    part = PARTITIONS.get("pathological")(classes_per_client=k, balanced=balanced)
+    parts = part(labels, num_clients, numpy_rng(0, "t"))
+    _cover(parts, len(labels))
+    held = _held(labels, parts)
+    assert [len(h) for h in held] == [k] * num_clients
+    classes = int(labels.max()) + 1
+    expected = pat_clients_per_class(num_clients, classes, k)
+    for c, owners in enumerate(expected):
+        assert [j for j in range(num_clients) if c in held[j]] == owners
+
+
+def test_balanced_shares_equal_within_one() -> None:
+    # 103 samples of each of 10 classes, 20 clients x 2 classes: 4 clients per class share
+    # 103 = 26 + 26 + 26 + 25 (the remaining 3 go one each to the first clients)
+    labels = _blocks(103, 10)
+    parts = PARTITIONS.get("pathological")(classes_per_client=2)(labels, 20, numpy_rng(1, "t"))
+    for c in range(10):
+        counts = sorted(int((labels[p] == c).sum()) for p in parts if (labels[p] == c).any())
+        assert counts == [25, 26, 26, 26]
+
+
+def test_unbalanced_sizes_follow_pfllib_bounds() -> None:
+    # n=1000, N=20, k=2: 4 clients per class of 100, per = 25; least_samples = 25, so the
+    # first three sizes lie in [max(2.5, 2.5), 25) = [2, 25) and the last takes the rest (> 25)
+    labels = _blocks(100, 10)
+    part = PARTITIONS.get("pathological")(classes_per_client=2, balanced=False)
+    seen_last, seen_first = [], []
+    for seed in range(5):
+        parts = part(labels, 20, numpy_rng(seed, "t"))
+        owners = pat_clients_per_class(20, 10, 2)
+        for c, chosen in enumerate(owners):
+            sizes = [int((labels[parts[j]] == c).sum()) for j in chosen]
+            assert sum(sizes) == 100
+            assert all(2 <= s < 25 for s in sizes[:-1])
+            assert sizes[-1] > 25
+            seen_first += sizes[:-1]
+            seen_last.append(sizes[-1])
+    assert len(set(seen_first)) > 10  # really random
+
+
+def test_pat_is_seeded() -> None:
+    labels = _blocks(50, 10)
+    part = PARTITIONS.get("pathological")(balanced=False)
+    a = part(labels, 10, numpy_rng(3, "t"))
+    b = part(labels, 10, numpy_rng(3, "t"))
+    c = part(labels, 10, numpy_rng(4, "t"))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("num_clients", "k", "match"),
+    [
+        (7, 2, r"PFLlib.s .pat. dealing of 7 clients x 2 classes leaves class\(es\) \[8, 9\]"),
+        (5, 4, r".*leaves client 4 with 2 class\(es\), not 4"),  # cap 2: client 4 gets classes 8, 9
+        (
+            7,
+            2,
+            r".*\(PFLlib drops their samples\); data.num_clients x classes_per_client a multiple",
+        ),
+        (5, 11, r"must be <= the number of classes \(10\)"),
+    ],
+)
+def test_pat_refuses_what_pfllib_would_get_wrong(num_clients: int, k: int, match: str) -> None:
+    part = PARTITIONS.get("pathological")(classes_per_client=k)
+    with pytest.raises(ConfigError, match=r"data\.partition\.classes_per_client: " + match):
+        part(_blocks(50, 10), num_clients, numpy_rng(0, "t"))
+
+
+def test_pat_refuses_too_few_samples_for_random_sizes() -> None:
+    part = PARTITIONS.get("pathological")(classes_per_client=2, balanced=False)
+    with pytest.raises(ConfigError, match=r"data\.partition\.balanced: class 0 has 5 samples"):
+        part(_blocks(5, 10), 20, numpy_rng(0, "t"))
+
+
+def test_pathological_on_digits(cfg) -> None:
+    fd = load_dataset(
+        cfg("digits", num_clients=20, partition={"kind": "pathological"}, test_fraction=0.25),
+        seed=0,
+    )
+    for c in fd.clients:
+        assert len(np.unique(np.concatenate([c.y_train.numpy(), c.y_test.numpy()]))) == 2
+    assert sum(c.num_train + c.num_test for c in fd.clients) == 1797
