@@ -127,3 +127,145 @@ def test_pathological_on_digits(cfg) -> None:
     for c in fd.clients:
         assert len(np.unique(np.concatenate([c.y_train.numpy(), c.y_test.numpy()]))) == 2
     assert sum(c.num_train + c.num_test for c in fd.clients) == 1797
+
+
+# -- Dirichlet with PFLlib's rule ----------------------------------------------------------------
+
+
+class _FixedRng:
+    """Stands in for a Generator: permutation is the identity, Dirichlet shares are given."""
+
+    def __init__(self, shares: list[list[float]]) -> None:
+        self.shares = [np.array(s) for s in shares]
+
+    def permutation(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x)
+
+    def dirichlet(self, alpha: np.ndarray) -> np.ndarray:
+        return self.shares.pop(0)
+
+
+def test_pfllib_dirichlet_rule_by_hand() -> None:
+    # 3 clients, 3 classes of 6 samples: n / N = 6. Class 0 shares (.5, .5, 0) give (3, 3, 0);
+    # class 1 (.5, .25, .25): cuts floor(3), floor(4.5) -> (3, 1, 2), totals (6, 4, 2); class 2
+    # (.6, .2, .2): client 0 holds 6 >= n / N, so PFLlib renormalises (0, .5, .5) -> (0, 3, 3),
+    # totals (6, 7, 5). Without the rule: cuts floor(3.6), floor(4.8) -> (3, 1, 2): (9, 5, 4).
+    labels = np.repeat(np.arange(3), 6)
+    shares = [[0.5, 0.5, 0.0], [0.5, 0.25, 0.25], [0.6, 0.2, 0.2]]
+    for pfllib, sizes in ((True, [6, 7, 5]), (False, [9, 5, 4])):
+        part = PARTITIONS.get("dirichlet")(alpha=1.0, min_size=1, pfllib=pfllib)
+        parts = part(labels, 3, _FixedRng([list(s) for s in shares]))  # type: ignore[arg-type]
+        assert [len(p) for p in parts] == sizes
+    # and the samples are the class's consecutive pieces: client 2 gets class 2's last 3
+    part = PARTITIONS.get("dirichlet")(alpha=1.0, min_size=1, pfllib=True)
+    parts = part(labels, 3, _FixedRng([list(s) for s in shares]))  # type: ignore[arg-type]
+    assert parts[2].tolist() == [10, 11, 15, 16, 17]
+
+
+def _cifar100_labels() -> np.ndarray:
+    return numpy_rng(0, "cifar100_labels").permutation(np.repeat(np.arange(100), 500))
+
+
+@pytest.mark.parametrize("pfllib", [False, True])
+def test_500_clients_on_cifar100_sized_labels_ends(pfllib: bool) -> None:
+    # PFLlib's unbounded redraw loop can spin forever here; fedloom succeeds or gives up
+    labels = _cifar100_labels()
+    part = PARTITIONS.get("dirichlet")(alpha=0.3, min_size=40, pfllib=pfllib)
+    parts = part(labels, 500, numpy_rng(1, "t"))
+    _cover(parts, 50000)
+    assert min(len(p) for p in parts) >= 40
+
+
+def test_hopeless_dirichlet_gives_up_naming_the_numbers() -> None:
+    part = PARTITIONS.get("dirichlet")(alpha=0.01, min_size=40, pfllib=True)
+    with pytest.raises(ConfigError) as err:
+        part(_cifar100_labels(), 500, numpy_rng(1, "t"))
+    msg = str(err.value)
+    for words in ("100 Dirichlet draws", "alpha=0.01", "50000 samples", "500 clients", "=40"):
+        assert words in msg
+
+
+# -- extended Dirichlet (ExDir) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("k", "alpha"), [(2, 100.0), (3, 100.0), (3, 0.5), (10, 1.0)])
+@pytest.mark.parametrize("balance", [True, False])
+def test_exdir_clients_hold_at_most_their_classes(k: int, alpha: float, balance: bool) -> None:
+    labels = _blocks(300, 10)
+    part = PARTITIONS.get("extended_dirichlet")(
+        classes_per_client=k, alpha=alpha, min_size=5, balance=balance
+    )
+    parts = part(labels, 20, numpy_rng(2, "t"))
+    _cover(parts, len(labels))
+    assigned = part.assign(10, 20, numpy_rng(2, "t"))  # the same stream starts with it
+    for j, held in enumerate(_held(labels, parts)):
+        assert set(held) <= {c for c in range(10) if assigned[c][j]}
+        assert len(held) <= k
+        if alpha >= 100 and not balance:  # near-equal shares: every assigned class arrives
+            assert len(held) == k
+    assert min(len(p) for p in parts) >= 5
+
+
+def test_exdir_first_level_gives_every_class_enough_clients() -> None:
+    # C N // K // 2 = 2 * 20 // 10 // 2 = 2 clients per class at least; 2 classes per client
+    part = PARTITIONS.get("extended_dirichlet")(classes_per_client=2)
+    for seed in range(5):
+        mask = np.array(part.assign(10, 20, numpy_rng(seed, "t")))
+        assert mask.sum(axis=0).tolist() == [2] * 20
+        assert mask.sum(axis=1).min() >= 2
+
+
+def test_exdir_alpha_controls_skew_within_class() -> None:
+    labels = _blocks(300, 10)
+
+    def spread(alpha: float) -> float:
+        """Mean coefficient of variation of a class's counts over its clients."""
+        part = PARTITIONS.get("extended_dirichlet")(
+            classes_per_client=2, alpha=alpha, min_size=1, balance=False
+        )
+        parts = part(labels, 20, numpy_rng(0, "t"))
+        mask = part.assign(10, 20, numpy_rng(0, "t"))
+        cvs = []
+        for c in range(10):
+            counts = np.array([(labels[parts[j]] == c).sum() for j in np.flatnonzero(mask[c])])
+            cvs.append(counts.std() / counts.mean())
+        return float(np.mean(cvs))
+
+    assert spread(1000.0) < 0.1 < 0.5 < spread(0.3)
+
+
+def test_exdir_refusals() -> None:
+    part = PARTITIONS.get("extended_dirichlet")(classes_per_client=1, alpha=1.0)
+    with pytest.raises(ConfigError, match=r"classes_per_client: 5 clients x 1 classes cannot"):
+        part(_blocks(50, 10), 5, numpy_rng(0, "t"))
+    part = PARTITIONS.get("extended_dirichlet")(classes_per_client=2, alpha=0.01, min_size=40)
+    with pytest.raises(ConfigError, match=r"min_size: after 100 ExDir draws \(alpha=0.01"):
+        part(_blocks(100, 10), 20, numpy_rng(0, "t"))
+
+
+# -- noise-based feature skew -------------------------------------------------------------------
+
+
+def test_noise_level_per_client_measured(cfg) -> None:
+    from fedloom.data.digits import load_digits_arrays
+
+    sigma, n = 0.3, 4
+    fd = load_dataset(
+        cfg("digits", num_clients=n, partition={"kind": "noise", "sigma": sigma}), seed=5
+    )
+    x_raw = load_digits_arrays()[0] / 16.0
+    for k in range(n):
+        train_idx, test_idx = fd.extras["client_indices"][k]
+        for got, idx in ((fd.clients[k].x_train, train_idx), (fd.clients[k].x_test, test_idx)):
+            diff = got.numpy()[:, 0] - x_raw[idx]
+            expected = sigma * k / (n - 1)  # NIID-Bench's code: 0 for client 0, sigma for the last
+            assert abs(float(diff.std()) - expected) < 0.01 + 0.03 * expected
+            assert abs(float(diff.mean())) < 0.01
+    again = load_dataset(
+        cfg("digits", num_clients=n, partition={"kind": "noise", "sigma": sigma}), seed=5
+    )
+    other = load_dataset(
+        cfg("digits", num_clients=n, partition={"kind": "noise", "sigma": sigma}), seed=6
+    )
+    assert np.array_equal(again.clients[3].x_train.numpy(), fd.clients[3].x_train.numpy())
+    assert not np.array_equal(other.clients[3].x_train.numpy(), fd.clients[3].x_train.numpy())

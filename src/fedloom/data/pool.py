@@ -60,7 +60,7 @@ def federate_pool(
     for k, (train, test) in enumerate(indices):
         mid, end = start + len(train), start + len(train) + len(test)
         view = xs[start:end]
-        block = part.transform(view, k)
+        block = part.transform(view, k, num_clients, req.seed)
         if block is not view:
             view.copy_(block)
         clients.append(ClientData(xs[start:mid], ys[start:mid], xs[mid:end], ys[mid:end]))

@@ -51,5 +51,14 @@ class DatasetSpec:
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset", "data.name")
 
-IMAGE_PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "rotation", "pathological")
+IMAGE_PARTITIONS = (
+    "iid",
+    "dirichlet",
+    "shards",
+    "quantity",
+    "rotation",
+    "noise",
+    "pathological",
+    "extended_dirichlet",
+)
 NATURAL = ("natural",)
