@@ -13,6 +13,8 @@ from fedloom.audit.auditor import audit
 from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.data import FederatedData, load_dataset, resolve_data_config
+from fedloom.data.partition_file import FILE_NAME as PARTITION_FILE
+from fedloom.data.partition_file import write_partition_file
 from fedloom.engine.callbacks import Callback
 from fedloom.engine.executor import Executor
 from fedloom.engine.loop import Engine, RunResult
@@ -24,6 +26,7 @@ from fedloom.peft import build_run_model
 
 def _save_inputs(run_dir: RunDir, config: RunConfig, data: FederatedData) -> None:
     run_dir.write_config(config.to_yaml())
+    write_partition_file(run_dir.path / PARTITION_FILE, data)  # pooled datasets only
     hist = data.label_histogram()
     if hist is not None:
         run_dir.write_json(

@@ -12,6 +12,7 @@ from fedloom.data import (  # noqa: F401  (registration side effects)
     digits,
     femnist,
     mnist,
+    partition_file,
     partitioners,
     pfllib_partitions,
     quadratic,

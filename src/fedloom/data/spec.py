@@ -60,5 +60,7 @@ IMAGE_PARTITIONS = (
     "noise",
     "pathological",
     "extended_dirichlet",
+    "file",
 )
+"""The partitions of the pooled image datasets (federate_pool); ``file`` reads a partition.json."""
 NATURAL = ("natural",)
