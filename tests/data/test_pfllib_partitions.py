@@ -269,3 +269,20 @@ def test_noise_level_per_client_measured(cfg) -> None:
     )
     assert np.array_equal(again.clients[3].x_train.numpy(), fd.clients[3].x_train.numpy())
     assert not np.array_equal(other.clients[3].x_train.numpy(), fd.clients[3].x_train.numpy())
+
+
+# -- PFLlib's 75/25 per-client split --------------------------------------------------------------
+
+
+def test_test_fraction_quarter_matches_pfllib_but_for_rounding() -> None:
+    # PFLlib: train_test_split(train_size=0.75, shuffle=True) holds out n - floor(0.75 n);
+    # fedloom's data.test_fraction: 0.25 holds out round(n / 4) (half to even): one sample
+    # fewer exactly when n = 1 (mod 4) or n = 2 (mod 8), n > 2 (docs/partitions.md)
+    from sklearn.model_selection import train_test_split
+
+    from fedloom.data.pool import num_test
+
+    for n in range(2, 300):
+        _, test = train_test_split(np.arange(n), train_size=0.75, shuffle=True, random_state=0)
+        expected = len(test) - (1 if n % 4 == 1 or (n % 8 == 2 and n > 2) else 0)
+        assert num_test(n, 0.25) == expected, n
