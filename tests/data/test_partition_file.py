@@ -187,3 +187,19 @@ def test_cli_exits_2_on_a_damaged_file(original, tmp_path) -> None:
     result = CliRunner().invoke(app, ["run", str(cfg), "--out", str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
     assert "appears more than once" in result.stderr and "Traceback" not in result.output
+
+
+def test_a_file_keeps_its_order_and_may_leave_samples_out(original, tmp_path) -> None:
+    out, _ = original
+    rec = json.loads((out / "partition.json").read_text())
+    rec["partition"] = {"kind": "iid"}  # no feature shift: the samples are the pool's
+    rec["clients"][0]["train"] = rec["clients"][0]["train"][::-1]
+    dropped = rec["clients"][1]["test"].pop()
+    data = _load(_write(tmp_path, rec))
+    x, y = load_digits_arrays()
+    order = rec["clients"][0]["train"]
+    assert torch.equal(data.clients[0].y_train, torch.from_numpy(y[order]))
+    assert torch.allclose(data.clients[0].x_train[:, 0], torch.from_numpy(x[order] / 16).float())
+    assert data.clients[1].num_test == len(rec["clients"][1]["test"])
+    used = np.concatenate([a for pair in data.extras["client_indices"] for a in pair])
+    assert dropped not in used and len(used) == 1796
