@@ -31,12 +31,13 @@ from pydantic import (
     model_validator,
 )
 
-from fedloom.algorithms import AlgorithmConfig, parse_algorithm_config
+from fedloom.algorithms import ALGORITHMS, AlgorithmConfig, parse_algorithm_config
 from fedloom.attacks.config import AttackConfig, TriggerConfig
 from fedloom.compression.config import CompressionConfig
 from fedloom.core.files import one_line
 from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, check_plain_tree, format_validation_error
+from fedloom.data.partition import PARTITIONS
 from fedloom.errors import ConfigError
 from fedloom.incentives.config import (
     EXACT_SHAPLEY_MAX,
@@ -520,7 +521,45 @@ _SWITCHES: dict[tuple[str, ...], str] = {
     ("data", "partition"): "kind",
 }
 """Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind): a
-``--set`` naming another choice than the file's starts a fresh section."""
+``--set`` naming another choice keeps every key written for the old one (each must be a key of
+the new choice) and replaces only the embedded defaults' keys."""
+
+
+def _choice_keys(section: tuple[str, ...], choice: Any) -> tuple[str, set[str]] | None:
+    """How messages name the choice of ``section`` and the keys it has, or None for a choice
+    that does not exist (the parser names that error)."""
+    name = str(choice)
+    if section == ("algorithm",):
+        if name not in ALGORITHMS:
+            return None
+        return f"algorithm '{name}'", set(ALGORITHMS.get(name).Config.model_fields)
+    if section == ("data", "partition"):
+        if name not in PARTITIONS:
+            return None
+        return f"partition '{name}'", set(PARTITIONS.get(name).model_fields)
+    # every dataset has the data section's keys; its own options sit under its name
+    return f"dataset '{name}'", set(DataConfig.model_fields) | {name}
+
+
+def _check_switched(
+    raw: dict[str, Any], section: tuple[str, ...], set_paths: set[tuple[str, ...]], written_in: str
+) -> None:
+    """Every key left in a switched ``section`` is one of its new choice's, else ConfigError
+    naming the key, the choice and where the key was written."""
+    keys = _find_section(raw, section)
+    assert keys is not None
+    choice = _choice_keys(section, keys.get(_SWITCHES[section]))
+    if choice is None:
+        return
+    label, known = choice
+    for key in keys:
+        if key not in known:
+            path = (*section, key)
+            by_set = any(p[: len(path)] == path for p in set_paths)
+            raise ConfigError(
+                f"{'.'.join(path)}: not a key of {label} "
+                f"(written in {'--set' if by_set else written_in}): remove it there"
+            )
 
 
 def default_experiment(dataset: str | None, rl_envs: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -591,21 +630,29 @@ def _section(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return node
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set key.path=value`` overrides (values parsed as YAML scalars/lists).
+def apply_overrides(
+    raw: dict[str, Any], overrides: list[str], written_in: str | None = "the config"
+) -> dict[str, Any]:
+    """Apply ``--set key.path=value`` overrides (values parsed as YAML scalars/lists) to
+    ``raw``: the keys written ``written_in`` (a file's name), or None when ``raw`` is the
+    embedded default experiment (``DEFAULT_EXPERIMENT``), whose keys nobody wrote.
 
-    ``--set algorithm.name=X`` (or ``data.partition.kind=X``) naming another choice than the
-    file's starts a fresh section (the old choice's keys would not apply to X); it is applied
-    first, so the other ``--set`` keys of that section land in the new one. Setting one of
-    ``train.local_epochs`` / ``train.local_steps`` removes the file's other (both set by
-    ``--set`` stays an error)."""
+    Nothing written is dropped: ``--set algorithm.name=X`` (or ``data.name``,
+    ``data.partition.kind``) naming another choice keeps the section's written keys, and each
+    must be a key of X (else ConfigError naming the key, X and where it was written); of the
+    defaults, that section starts afresh (the old choice's keys would not apply to X) before
+    the other ``--set`` keys land in it. Setting one of ``train.local_epochs`` /
+    ``train.local_steps`` removes the file's other (both set by ``--set`` stays an error)."""
     raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
     parsed = [_parse_override(item) for item in overrides]
+    switched: list[tuple[str, ...]] = []
     for keys, value in parsed:
         if keys[:-1] in _SWITCHES and keys[-1] == _SWITCHES[keys[:-1]]:
             section = _find_section(raw, keys[:-1])
             if section is None or section.get(keys[-1]) != value:
-                _section(raw, keys[:-2])[keys[-2]] = {keys[-1]: value}
+                switched.append(keys[:-1])
+                if written_in is None:
+                    _section(raw, keys[:-2])[keys[-2]] = {keys[-1]: value}
     set_paths = {keys for keys, _ in parsed}
     for keys, value in parsed:
         other = _ALTERNATIVES.get(keys)
@@ -614,6 +661,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if section is not None:
                 section.pop(other[-1], None)
         _section(raw, keys[:-1])[keys[-1]] = value
+    for section_keys in switched:
+        _check_switched(raw, section_keys, set_paths, written_in or "the default experiment")
     return raw
 
 
