@@ -6,8 +6,7 @@ packages (``privacy/config.py``, ``secure/config.py``, ``attacks/config.py``,
 ``robust/config.py``, ``compression/config.py``, ``peft/config.py``,
 ``incentives/config.py``), the run's own in ``run_config/``. This module composes them into
 ``RunConfig``, declares the rules between sections (``RULES``, checked once, when the config
-is parsed), and loads YAML; it re-exports every section, so ``from fedloom.config import
-PrivacyConfig`` keeps working.
+is parsed), and loads YAML; a section is imported from its own package.
 
 Every section forbids unknown keys. Algorithm-specific keys sit beside ``algorithm.name`` and
 are validated by that algorithm's own config class when the run config is parsed (the parsed
@@ -32,80 +31,25 @@ from pydantic import (
 )
 
 from fedloom.algorithms import ALGORITHMS, AlgorithmConfig, parse_algorithm_config
-from fedloom.attacks.config import AttackConfig, TriggerConfig
+from fedloom.attacks.config import AttackConfig
 from fedloom.compression.config import CompressionConfig
 from fedloom.core.files import one_line
 from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, check_plain_tree, format_validation_error
 from fedloom.data.partition import PARTITIONS
 from fedloom.errors import ConfigError
-from fedloom.incentives.config import (
-    EXACT_SHAPLEY_MAX,
-    ContributionConfig,
-    CostConfig,
-    IncentiveConfig,
-)
-from fedloom.peft.config import LORA_TARGETS, PEFT_MODELS, PeftConfig
-from fedloom.privacy.config import AdaptiveClipConfig, PrivacyConfig
+from fedloom.incentives.config import EXACT_SHAPLEY_MAX, ContributionConfig, IncentiveConfig
+from fedloom.peft.config import PEFT_MODELS, PeftConfig
+from fedloom.privacy.config import PrivacyConfig
 from fedloom.robust.config import AggregatorConfig
-from fedloom.run_config.asynchrony import AsynchronyConfig, SpeedsConfig
+from fedloom.run_config.asynchrony import AsynchronyConfig
 from fedloom.run_config.data import DataConfig, ModelConfig
-from fedloom.run_config.executor import DEFAULT_BUDGET, ExecutorConfig, StateConfig, parse_bytes
-from fedloom.run_config.monitor import AlertConfig, MonitorConfig, TrackingConfig
+from fedloom.run_config.executor import ExecutorConfig, StateConfig
+from fedloom.run_config.monitor import MonitorConfig, TrackingConfig
 from fedloom.run_config.rules import Algorithm, AnyOf, Check, Rule, check_rules, equals, used
 from fedloom.run_config.serving import ServingConfig
-from fedloom.run_config.train import (
-    CheckpointConfig,
-    EvalConfig,
-    TrainConfig,
-    Work,
-    WorkDistribution,
-)
+from fedloom.run_config.train import CheckpointConfig, EvalConfig, TrainConfig
 from fedloom.secure.config import SecureAggregationConfig
-
-__all__ = [
-    "DEFAULT_BUDGET",
-    "DEFAULT_EXPERIMENT",
-    "EXACT_SHAPLEY_MAX",
-    "LORA_TARGETS",
-    "PEFT_MODELS",
-    "RULES",
-    "AdaptiveClipConfig",
-    "AggregatorConfig",
-    "AlertConfig",
-    "AsynchronyConfig",
-    "AttackConfig",
-    "CheckpointConfig",
-    "CompressionConfig",
-    "ContributionConfig",
-    "CostConfig",
-    "DataConfig",
-    "EvalConfig",
-    "ExecutorConfig",
-    "IncentiveConfig",
-    "ModelConfig",
-    "MonitorConfig",
-    "PeftConfig",
-    "PrivacyConfig",
-    "RunConfig",
-    "SecureAggregationConfig",
-    "ServingConfig",
-    "SpeedsConfig",
-    "StateConfig",
-    "StrictModel",
-    "TrackingConfig",
-    "TrainConfig",
-    "TriggerConfig",
-    "Work",
-    "WorkDistribution",
-    "apply_overrides",
-    "asynchronous_algorithms",
-    "check_client_counts",
-    "load_yaml",
-    "parse_bytes",
-    "parse_config",
-    "resolve_config",
-]
 
 
 class RunConfig(StrictModel):

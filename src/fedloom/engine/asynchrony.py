@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fedloom.config import AsynchronyConfig, RunConfig, SpeedsConfig
+from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.mechanism import ServerStep
 from fedloom.core.protocol import ClientResult, ClientTask, Message
@@ -48,6 +48,7 @@ from fedloom.engine.pipeline import RoundPipeline, SyncRounds
 from fedloom.engine.sampling import sample_clients
 from fedloom.engine.shell import due
 from fedloom.engine.state import RoundReport, RunState
+from fedloom.run_config.asynchrony import AsynchronyConfig, SpeedsConfig
 
 CLOCK = "clock"
 """Metrics rows' and summary.json's key of the virtual time."""

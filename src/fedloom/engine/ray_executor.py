@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from fedloom.algorithms.base import Algorithm
-from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -31,6 +30,7 @@ from fedloom.engine.scheduling import balanced_groups
 from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import set_worker_threads
 from fedloom.errors import ConfigError
+from fedloom.run_config.executor import ExecutorConfig
 
 MIN_OBJECT_STORE = 256 * 1024**2
 """Object store of a Ray runtime the executor starts itself (grown to fit the data)."""
