@@ -123,7 +123,7 @@ def client_tasks(
     ]
     steps = straggler_steps(seed, round, clients, full, train.stragglers, train.straggler_mode)
     return [
-        ClientTask(c, d, make_plan(d, s, "batches", round, c), train.lr, round, full=f)
+        ClientTask.order(c, d, train.lr, round, make_plan, s, full=f)
         for c, d, s, f in zip(clients, chosen, steps, full, strict=True)
         if s > 0
     ]

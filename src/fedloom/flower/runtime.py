@@ -148,8 +148,8 @@ class ClientRuntime:
                 f"(training clients: 0..{len(engine.train_ids) - 1})"
             )
         data = engine.training.data[client]
-        plan = engine.algorithm.ctx.make_plan(data, steps, "batches", round, client)
-        return ClientTask(client, data, plan, engine.config.train.lr, round, full=full)
+        make_plan = engine.algorithm.ctx.make_plan
+        return ClientTask.order(client, data, engine.config.train.lr, round, make_plan, steps, full)
 
 
 _RUNTIMES: dict[str, ClientRuntime] = {}
