@@ -469,41 +469,45 @@ _SWITCHES: dict[tuple[str, ...], str] = {
 the new choice) and replaces only the embedded defaults' keys."""
 
 
-def _choice_keys(section: tuple[str, ...], choice: Any) -> tuple[str, set[str]] | None:
-    """How messages name the choice of ``section`` and the keys it has, or None for a choice
-    that does not exist (the parser names that error)."""
-    name = str(choice)
-    if section == ("algorithm",):
-        if name not in ALGORITHMS:
-            return None
-        return f"algorithm '{name}'", set(ALGORITHMS.get(name).Config.model_fields)
-    if section == ("data", "partition"):
-        if name not in PARTITIONS:
-            return None
-        return f"partition '{name}'", set(PARTITIONS.get(name).model_fields)
-    # every dataset has the data section's keys; its own options sit under its name
-    return f"dataset '{name}'", set(DataConfig.model_fields) | {name}
+_CHOICES = {("algorithm",): "algorithm", ("data",): "dataset", ("data", "partition"): "partition"}
+"""What each switch of ``_SWITCHES`` chooses, as messages name it."""
+
+
+def _foreign_keys(section: tuple[str, ...], keys: dict[str, Any], old: Any) -> list[str]:
+    """The keys of ``section`` that the choice it now holds does not have. An algorithm's or a
+    partition's keys are its Config's fields (a choice that does not exist is the parser's
+    error); every dataset has the data section's keys, and only the old dataset's options (the
+    mapping under its name) are not the new one's."""
+    name = keys.get(_SWITCHES[section])
+    if section == ("data",):
+        return [k for k in keys if k == old and k != name]
+    registry = ALGORITHMS if section == ("algorithm",) else PARTITIONS
+    if not isinstance(name, str) or name not in registry:
+        return []
+    entry = registry.get(name)
+    fields = entry.Config.model_fields if section == ("algorithm",) else entry.model_fields
+    return [k for k in keys if k not in fields]
 
 
 def _check_switched(
-    raw: dict[str, Any], section: tuple[str, ...], set_paths: set[tuple[str, ...]], written_in: str
+    raw: dict[str, Any],
+    section: tuple[str, ...],
+    old: Any,
+    set_paths: set[tuple[str, ...]],
+    written_in: str,
 ) -> None:
     """Every key left in a switched ``section`` is one of its new choice's, else ConfigError
     naming the key, the choice and where the key was written."""
     keys = _find_section(raw, section)
-    assert keys is not None
-    choice = _choice_keys(section, keys.get(_SWITCHES[section]))
-    if choice is None:
-        return
-    label, known = choice
-    for key in keys:
-        if key not in known:
-            path = (*section, key)
-            by_set = any(p[: len(path)] == path for p in set_paths)
-            raise ConfigError(
-                f"{'.'.join(path)}: not a key of {label} "
-                f"(written in {'--set' if by_set else written_in}): remove it there"
-            )
+    foreign = _foreign_keys(section, keys, old) if keys is not None else []  # None: set null
+    if foreign:
+        path = (*section, foreign[0])
+        by_set = any(p[: len(path)] == path for p in set_paths)
+        raise ConfigError(
+            f"{'.'.join(path)}: not a key of {_CHOICES[section]} "
+            f"'{keys.get(_SWITCHES[section])}' (written in {'--set' if by_set else written_in}): "
+            "remove it there"
+        )
 
 
 def default_experiment(dataset: str | None, rl_envs: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -589,12 +593,13 @@ def apply_overrides(
     ``train.local_steps`` removes the file's other (both set by ``--set`` stays an error)."""
     raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
     parsed = [_parse_override(item) for item in overrides]
-    switched: list[tuple[str, ...]] = []
+    switched: list[tuple[tuple[str, ...], Any]] = []
     for keys, value in parsed:
         if keys[:-1] in _SWITCHES and keys[-1] == _SWITCHES[keys[:-1]]:
             section = _find_section(raw, keys[:-1])
-            if section is None or section.get(keys[-1]) != value:
-                switched.append(keys[:-1])
+            old = None if section is None else section.get(keys[-1])
+            if old != value:
+                switched.append((keys[:-1], old))
                 if written_in is None:
                     _section(raw, keys[:-2])[keys[-2]] = {keys[-1]: value}
     set_paths = {keys for keys, _ in parsed}
@@ -605,8 +610,8 @@ def apply_overrides(
             if section is not None:
                 section.pop(other[-1], None)
         _section(raw, keys[:-1])[keys[-1]] = value
-    for section_keys in switched:
-        _check_switched(raw, section_keys, set_paths, written_in or "the default experiment")
+    for section_keys, old in switched:
+        _check_switched(raw, section_keys, old, set_paths, written_in or "the default experiment")
     return raw
 
 
