@@ -93,7 +93,9 @@ class ConfigSource:
     def key(self, run_config: Mapping[str, Any] | None) -> str:
         """Identifies the run a process builds (its cache key)."""
         names = [getattr(f, "__qualname__", repr(f)) for f in (self.data, self.model)]
-        return json.dumps([self.raw, dict(run_config or {}), names], sort_keys=True, default=str)
+        return json.dumps(
+            [self.raw, self.written_in, dict(run_config or {}), names], sort_keys=True, default=str
+        )
 
     def build_engine(self, run_config: Mapping[str, Any] | None = None) -> Engine:
         """fedloom's engine for the run (what ``fedloom.run`` builds), without a run directory."""
