@@ -9,4 +9,5 @@ export FEDLOOM_DATA=${FEDLOOM_DATA:-../shared/data}
 export FEDLOOM_OFFLINE=1
 .venv/bin/ruff check src tests benchmarks examples
 .venv/bin/lint-imports  # the layers and no import cycles (pyproject.toml, [tool.importlinter])
+.venv/bin/vulture src/fedloom --min-confidence 80  # no unused code
 .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 import fedloom
-from fedloom.config import DataConfig
 from fedloom.data import FederatedData, load_dataset
+from fedloom.run_config.data import DataConfig
 
 
 def quadratic_data(num_clients: int = 5, seed: int = 0, **options) -> FederatedData:

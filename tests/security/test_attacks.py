@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import fedloom
+from fedloom.attacks.config import AttackConfig
 from fedloom.attacks.data import apply_trigger, poison_client
 from fedloom.attacks.selection import malicious_clients
 from fedloom.attacks.updates import ModelPoisoning
-from fedloom.config import AttackConfig, parse_config
+from fedloom.config import parse_config
 from fedloom.core.protocol import ClientData
 from fedloom.errors import ConfigError
 from tests.engine.test_executor_equivalence import assert_same

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from fedloom.config import ExecutorConfig, RunConfig, load_yaml, parse_config
+from fedloom.config import RunConfig, load_yaml, parse_config
 from fedloom.core.files import read_json_object
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
@@ -22,6 +22,7 @@ from fedloom.engine.rundir import RunDir
 from fedloom.engine.state import RunState
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.peft import build_run_model
+from fedloom.run_config.executor import ExecutorConfig
 
 Model = tuple[Tree, Tree]
 """(params, buffers)."""

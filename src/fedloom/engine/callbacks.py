@@ -78,7 +78,7 @@ class Evaluation(Callback):
                 s if s is not None else algorithm.init_client_state(server, c)
                 for c, s in zip(ids, known, strict=True)
             ]
-            tasks = [ClientTask(c, data.clients[c], [], ctx.config.train.lr, round) for c in ids]
+            tasks = [ClientTask.order(c, data.clients[c], ctx.config.train.lr, round) for c in ids]
             models = ctx.executor.deployed_models(algorithm, server, states, tasks)
             for cid, (params, buffers) in zip(ids, models, strict=True):
                 deployed[cid] = {**params, **buffers}

@@ -76,7 +76,7 @@ def _stacked_counts(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     lr, round, eval_batch_size = setup.lr, setup.round, setup.eval_batch_size
     model, ctx = algorithm.ctx.model, algorithm.ctx
     datas = list(clients.values())
-    tasks = [ClientTask(cid, data, [], lr, round) for cid, data in clients.items()]
+    tasks = [ClientTask.order(cid, data, lr, round) for cid, data in clients.items()]
     starts = [algorithm.new_client_model(server, t) for t in tasks]
     plans = [ctx.make_plan(t.data, steps[-1], "adapt", round, t.client_id) for t in tasks]
     seen: dict[int, list[EvalCounts | None]] = {}
@@ -114,7 +114,7 @@ def _counts_one_at_a_time(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     model = algorithm.ctx.model
     per_step: dict[int, list[EvalCounts]] = {s: [] for s in steps}
     for cid, data in clients.items():
-        task = ClientTask(cid, data, [], lr, round)
+        task = ClientTask.order(cid, data, lr, round)
         params, buffers = algorithm.new_client_model(server, task)
 
         def record(done: int, params: Tree, buffers: Tree, data: ClientData = data) -> None:

@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fedloom.config import AlertConfig
 from fedloom.report.rundir import RunData, dig, num
+from fedloom.run_config.monitor import AlertConfig
 
 MB = 1e6
 

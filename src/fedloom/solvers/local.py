@@ -135,8 +135,10 @@ class LocalSolution:
 
 
 @dataclass
-class Batch:
-    """One local step's minibatch, as a minibatch objective of :func:`local_sgd` sees it."""
+class LeanBatch:
+    """One local step's minibatch, as a minibatch objective of :func:`local_sgd` sees it: the
+    step, the model's output and features, the lean trainer (not solvers/program.py's ``Batch``,
+    which a client program's update sees)."""
 
     step: int
     x: torch.Tensor
@@ -149,7 +151,7 @@ class Batch:
     """The trainer's module (e.g. to apply the head to other features: FedGen)."""
 
 
-BatchObjective = Callable[[Batch], torch.Tensor]
+BatchObjective = Callable[[LeanBatch], torch.Tensor]
 StepCallback = Callable[[int, LeanModule], None]
 """Called after each step with the number of steps done and the trainer (for snapshots)."""
 
@@ -176,7 +178,7 @@ def local_sgd(
     """The one fast one-client SGD loop: steps w <- w - lr (grad L(w; batch) + correction(w))
     along ``plan``, L the model's loss or ``objective``.
 
-    - ``objective``: the minibatch objective (``Batch``: the step, the minibatch, the model's
+    - ``objective``: the minibatch objective (``LeanBatch``: the step, the minibatch, the model's
       output, the head's input when ``head`` names the head module); default the model's loss;
     - ``correction``: an extra gradient term at w (FedProx's proximal pull, SCAFFOLD's control
       variates), added after the backward pass;
@@ -220,7 +222,7 @@ def local_sgd(
             if objective is None:
                 loss = model.loss_from_output(out, yb)
             else:
-                loss = objective(Batch(step, xb, yb, out, store.get("h"), lean))
+                loss = objective(LeanBatch(step, xb, yb, out, store.get("h"), lean))
             backward(loss)
             if correction is not None:  # a function of the views: no graph for it
                 with torch.no_grad():
