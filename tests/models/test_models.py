@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from fedloom.core.functional import FunctionalModel
+from fedloom.core.stacked import stackable
 from fedloom.errors import ConfigError
 from fedloom.models import MODELS, build_model
 
@@ -13,6 +17,7 @@ CASES = {
     "mlp": ((1, 28, 28), 10, torch.rand(4, 1, 28, 28), ["fc3.weight", "fc3.bias"]),
     "cnn": ((1, 28, 28), 62, torch.rand(4, 1, 28, 28), ["fc2.weight", "fc2.bias"]),
     "cnn_bn": ((1, 8, 8), 10, torch.rand(4, 1, 8, 8), ["fc2.weight", "fc2.bias"]),
+    "cnn4": ((3, 32, 32), 10, torch.rand(4, 3, 32, 32), ["fc.weight", "fc.bias"]),
     "char_lstm": ((80,), 80, torch.randint(0, 80, (4, 80)), ["out.weight", "out.bias"]),
 }
 
@@ -56,3 +61,48 @@ def test_model_that_does_not_fit_the_data_is_a_config_error():
         build_model("cnn", (60,), 10)
     with pytest.raises(ConfigError, match=r"(?i)did you mean"):
         build_model("mpl", (60,), 10)
+
+
+def test_cnn4_is_pfllibs_cnn():
+    """PFLlib's FedAvgCNN: 5x5 convolutions without padding, FC 512, the last FC as head."""
+    cifar = build_model("cnn4", (3, 32, 32), 10)
+    assert sum(p.numel() for p in cifar.parameters()) == 878_538
+    fmnist = build_model("cnn4", (1, 28, 28), 10)
+    assert sum(p.numel() for p in fmnist.parameters()) == 582_026
+    shapes = {n: tuple(p.shape) for n, p in fmnist.named_parameters()}
+    assert shapes == {
+        "conv1.0.weight": (32, 1, 5, 5),
+        "conv1.0.bias": (32,),
+        "conv2.0.weight": (64, 32, 5, 5),
+        "conv2.0.bias": (64,),
+        "fc1.0.weight": (512, 1024),  # 64 x 4 x 4: each unpadded conv trims 4 pixels
+        "fc1.0.bias": (512,),
+        "fc.weight": (10, 512),
+        "fc.bias": (10,),
+    }
+    assert fmnist.head_keys() == ["fc.weight", "fc.bias"] and fmnist.norm_keys() == []
+    assert stackable(fmnist)  # runs the vectorized executor's stacked path
+    x = torch.rand(2, 1, 28, 28)
+    manual = torch.max_pool2d(torch.relu(fmnist.conv1[0](x)), 2)
+    manual = torch.max_pool2d(torch.relu(fmnist.conv2[0](manual)), 2)
+    manual = fmnist.fc(torch.relu(fmnist.fc1[0](manual.flatten(1))))
+    assert torch.allclose(fmnist(x), manual)
+    with pytest.raises(ConfigError, match="16x16"):
+        build_model("cnn4", (1, 15, 15), 10)
+
+
+def test_cnn4_init_is_pytorchs_default_from_the_run_seed():
+    """Deterministic from the run seed (the 'init' stream), and PyTorch's default ranges:
+    kaiming_uniform(a=sqrt(5)) bounds weights by 1/sqrt(fan_in), as the biases."""
+    model = FunctionalModel(build_model("cnn4", (1, 28, 28), 10), "classification")
+    a, _ = model.initial_state(3)
+    b, _ = model.initial_state(3)
+    c, _ = model.initial_state(4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["fc1.0.weight"], c["fc1.0.weight"])
+    for key, fan_in in [("conv1.0", 25), ("conv2.0", 32 * 25), ("fc1.0", 1024), ("fc", 512)]:
+        bound = 1 / math.sqrt(fan_in)
+        for part in ("weight", "bias"):
+            values = a[f"{key}.{part}"]
+            assert float(values.abs().max()) <= bound
+            assert float(values.abs().max()) > 0.9 * bound  # uniform over the whole range

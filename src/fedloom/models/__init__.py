@@ -1,5 +1,5 @@
 """Models by name: ``logreg``, ``mlp`` (the FedAvg paper's 2NN), ``cnn``, ``cnn_bn``,
-``char_lstm``."""
+``cnn4`` (PFLlib's CNN), ``char_lstm``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 from fedloom.models.base import FedModel
 from fedloom.models.char_lstm import CharLSTM
 from fedloom.models.cnn import CNN, CNNBatchNorm
+from fedloom.models.cnn4 import CNN4
 from fedloom.models.simple import MLP, LogisticRegression
 from fedloom.registry import Registry
 
@@ -18,6 +19,7 @@ MODELS.add("logreg", LogisticRegression)
 MODELS.add("mlp", MLP)
 MODELS.add("cnn", CNN)
 MODELS.add("cnn_bn", CNNBatchNorm)
+MODELS.add("cnn4", CNN4)
 MODELS.add("char_lstm", CharLSTM)
 
 
@@ -34,6 +36,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> Fe
 
 __all__ = [
     "CNN",
+    "CNN4",
     "MLP",
     "MODELS",
     "CNNBatchNorm",
