@@ -518,9 +518,10 @@ _SWITCHES: dict[tuple[str, ...], str] = {
     ("algorithm",): "name",
     ("data",): "name",
     ("data", "partition"): "kind",
+    ("model",): "name",
 }
-"""Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind): a
-``--set`` naming another choice than the file's starts a fresh section."""
+"""Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind, the
+model): a ``--set`` naming another choice than the file's starts a fresh section."""
 
 
 def default_experiment(dataset: str | None, rl_envs: tuple[str, ...] = ()) -> dict[str, Any]:

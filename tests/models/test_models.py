@@ -18,6 +18,7 @@ CASES = {
     "cnn": ((1, 28, 28), 62, torch.rand(4, 1, 28, 28), ["fc2.weight", "fc2.bias"]),
     "cnn_bn": ((1, 8, 8), 10, torch.rand(4, 1, 8, 8), ["fc2.weight", "fc2.bias"]),
     "cnn4": ((3, 32, 32), 10, torch.rand(4, 3, 32, 32), ["fc.weight", "fc.bias"]),
+    "resnet18": ((3, 8, 8), 10, torch.rand(4, 3, 8, 8), ["linear.weight", "linear.bias"]),
     "char_lstm": ((80,), 80, torch.randint(0, 80, (4, 80)), ["out.weight", "out.bias"]),
 }
 
@@ -106,3 +107,46 @@ def test_cnn4_init_is_pytorchs_default_from_the_run_seed():
             values = a[f"{key}.{part}"]
             assert float(values.abs().max()) <= bound
             assert float(values.abs().max()) > 0.9 * bound  # uniform over the whole range
+
+
+def test_resnet18_is_the_cifar_variant():
+    """3x3 stride-1 stem, no max pooling, stages of 64..512 channels at strides 1, 2, 2, 2:
+    11,173,962 parameters on CIFAR-10 with BatchNorm (as pytorch-cifar's ResNet18)."""
+    model = build_model("resnet18", (3, 32, 32), 10)
+    assert sum(p.numel() for p in model.parameters()) == 11_173_962
+    assert tuple(model.conv1.weight.shape) == (64, 3, 3, 3) and model.conv1.stride == (1, 1)
+    sides = {}
+    for name in ("layer1", "layer2", "layer3", "layer4"):
+        model.get_submodule(name).register_forward_hook(
+            lambda m, i, o, name=name: sides.__setitem__(name, tuple(o.shape[1:]))
+        )
+    model.eval()
+    model(torch.rand(1, 3, 32, 32))
+    assert sides == {
+        "layer1": (64, 32, 32),
+        "layer2": (128, 16, 16),
+        "layer3": (256, 8, 8),
+        "layer4": (512, 4, 4),
+    }
+    bns = [n for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bns) == 20 and model.norm_modules == tuple(bns)  # FedBN keeps them all local
+    assert "layer2.0.shortcut.1.running_var" in model.norm_keys()
+    assert not model.samplewise and model.head_keys() == ["linear.weight", "linear.bias"]
+
+
+def test_resnet18_norm_options():
+    group = build_model("resnet18", (3, 32, 32), 10, {"norm": "group"})
+    norms = [m for m in group.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert len(norms) == 20 and {m.num_groups for m in norms} == {2}
+    assert sum(p.numel() for p in group.parameters()) == 11_173_962  # same affine parameters
+    assert group.samplewise and group.norm_modules == () and not stackable(group)
+    none = build_model("resnet18", (3, 32, 32), 10, {"norm": "none"})
+    # 2 x 4800 normalized channels fewer; only convolutions and the FC: runs stacked
+    assert sum(p.numel() for p in none.parameters()) == 11_173_962 - 2 * 4800
+    assert stackable(none)
+    small = build_model("resnet18", (1, 8, 8), 5, {"norm": "group", "width": 8, "groups": 4})
+    assert small.linear.in_features == 64 and small.bn1.num_groups == 4
+    with pytest.raises(ConfigError, match=r"model\.groups: applies only with norm: group"):
+        build_model("resnet18", (3, 8, 8), 10, {"groups": 4})
+    with pytest.raises(ConfigError, match=r"model\.groups: must divide width"):
+        build_model("resnet18", (3, 8, 8), 10, {"norm": "group", "groups": 3})
