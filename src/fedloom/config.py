@@ -39,6 +39,7 @@ from fedloom.core.validation import check_int64, check_plain_tree, format_valida
 from fedloom.data.partition import PARTITIONS
 from fedloom.errors import ConfigError
 from fedloom.incentives.config import EXACT_SHAPLEY_MAX, ContributionConfig, IncentiveConfig
+from fedloom.models import MODELS
 from fedloom.peft.config import PEFT_MODELS, PeftConfig
 from fedloom.privacy.config import PrivacyConfig
 from fedloom.robust.config import AggregatorConfig
@@ -463,13 +464,20 @@ _SWITCHES: dict[tuple[str, ...], str] = {
     ("algorithm",): "name",
     ("data",): "name",
     ("data", "partition"): "kind",
+    ("model",): "name",
 }
-"""Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind): a
+"""Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind, the
+model): a
 ``--set`` naming another choice keeps every key written for the old one (each must be a key of
 the new choice) and replaces only the embedded defaults' keys."""
 
 
-_CHOICES = {("algorithm",): "algorithm", ("data",): "dataset", ("data", "partition"): "partition"}
+_CHOICES = {
+    ("algorithm",): "algorithm",
+    ("data",): "dataset",
+    ("data", "partition"): "partition",
+    ("model",): "model",
+}
 """What each switch of ``_SWITCHES`` chooses, as messages name it."""
 
 
@@ -477,10 +485,15 @@ def _foreign_keys(section: tuple[str, ...], keys: dict[str, Any], old: Any) -> l
     """The keys of ``section`` that the choice it now holds does not have. An algorithm's or a
     partition's keys are its Config's fields (a choice that does not exist is the parser's
     error); every dataset has the data section's keys, and only the old dataset's options (the
-    mapping under its name) are not the new one's."""
+    mapping under its name) are not the new one's; a model's keys are the section's own and its
+    options (models/spec.py)."""
     name = keys.get(_SWITCHES[section])
     if section == ("data",):
         return [k for k in keys if k == old and k != name]
+    if section == ("model",):
+        spec = MODELS.get(name) if isinstance(name, str) and name in MODELS else None
+        options = spec.options.model_fields if spec is not None else {}
+        return [k for k in keys if k not in ModelConfig.model_fields and k not in options]
     registry = ALGORITHMS if section == ("algorithm",) else PARTITIONS
     if not isinstance(name, str) or name not in registry:
         return []

@@ -197,7 +197,11 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
         path = inside(folder, entry["files"][str(client)], f"{CARD_FILE} {copy}")
     else:
         path = inside(folder, entry["file"], f"{CARD_FILE} {copy}")
-    module = build_model(card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"])
+    section = card["model"].get("config") or {}
+    options = {k: v for k, v in section.items() if k not in ("name", "freeze")}  # resnet18's norm
+    module = build_model(
+        card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"], options
+    )
     module.load_state_dict(_load(path))
     return module.eval()
 
