@@ -48,9 +48,15 @@ def test_wrong_options_name_the_key(section, message):
         parse_config({"model": section})
 
 
-def test_set_of_another_model_starts_a_fresh_section():
+def test_set_of_another_model_keeps_what_the_file_wrote():
+    """Switching the model keeps the written options: one the new model does not take is an
+    error naming it (nothing the user wrote is dropped), one it takes carries over."""
     raw = {"model": {"name": "resnet18", "norm": "group"}}
-    assert apply_overrides(raw, ["model.name=cnn4"])["model"] == {"name": "cnn4"}
+    with pytest.raises(ConfigError, match=r"model\.norm: not a key of model 'cnn4'"):
+        apply_overrides(raw, ["model.name=cnn4"])
+    assert apply_overrides({"model": {"name": "resnet18", "width": 32}}, ["model.name=resnet18"])[
+        "model"
+    ] == {"name": "resnet18", "width": 32}
     assert apply_overrides(raw, ["model.norm=none"])["model"] == {
         "name": "resnet18",
         "norm": "none",
