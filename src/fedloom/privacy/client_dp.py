@@ -71,9 +71,17 @@ def clip_update(
     norm: float | None = None,
 ) -> Tree:
     """anchor + (params - anchor) min(1, bound / ||params - anchor||) (``norm``: that norm,
-    when the caller has it already)."""
+    when the caller has it already).
+
+    An update within the bound is returned as it came, not recomputed as anchor + (params -
+    anchor) * 1: in float32 that round trip rounds twice (the difference, then the sum), so
+    every client's model moved by up to one unit in the last place, and a run whose bound never
+    binds (noise 0) drifted from FedAvg's average by that rounding each round
+    (tests/privacy/test_client_dp_equals_fedavg.py)."""
     norm = update_norm(params, anchor) if norm is None else norm
-    factor = 1.0 if norm <= bound else bound / norm
+    if norm <= bound:
+        return {k: params[k] for k in anchor}
+    factor = bound / norm
     return {k: anchor[k] + (params[k] - anchor[k]) * factor for k in anchor}
 
 
