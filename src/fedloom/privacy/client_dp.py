@@ -74,10 +74,11 @@ def clip_update(
     when the caller has it already).
 
     An update within the bound is returned as it came, not recomputed as anchor + (params -
-    anchor) * 1: in float32 that round trip rounds twice (the difference, then the sum), so
-    every client's model moved by up to one unit in the last place, and a run whose bound never
-    binds (noise 0) drifted from FedAvg's average by that rounding each round
-    (tests/privacy/test_client_dp_equals_fedavg.py)."""
+    anchor) * 1: in float32 that round trip rounds twice (the difference, then the sum) and is
+    not exact where the model moved far from the anchor relative to its size (a parameter
+    leaving 0), so a client's model moved by a unit in the last place there, and a run whose
+    bound never binds (noise 0) strayed from FedAvg's average by more than the aggregation's
+    own round-off (tests/privacy/test_client_dp_equals_fedavg.py)."""
     norm = update_norm(params, anchor) if norm is None else norm
     if norm <= bound:
         return {k: params[k] for k in anchor}
