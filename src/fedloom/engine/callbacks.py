@@ -26,6 +26,7 @@ from fedloom.engine.monitoring import (
     feature_js,
     gradient_dissimilarity,
     label_kl,
+    test_samples,
     update_statistics,
 )
 from fedloom.engine.progress import RoundProgress
@@ -134,9 +135,9 @@ class Evaluation(Callback):
 
 
 class HealthMonitor(Callback):
-    """Training health (docs/monitoring.md; engine/monitoring.py): the clients' label KL and
-    feature JS once (heterogeneity.json), and on evaluated rounds the update statistics and
-    the gradient dissimilarity zeta^2 of the global model."""
+    """Training health (docs/monitoring.md; engine/monitoring.py): the clients' label KL,
+    feature JS and test-set sizes once (heterogeneity.json), and on evaluated rounds the update
+    statistics and the gradient dissimilarity zeta^2 of the global model."""
 
     def __init__(self) -> None:
         self.heterogeneity: dict[str, Any] | None = None
@@ -144,7 +145,10 @@ class HealthMonitor(Callback):
 
     def on_run_start(self, ctx: RunContext, state: RunState) -> None:
         clients = dict(enumerate(ctx.data.clients))
-        report: dict[str, Any] = {"feature_js": feature_js(clients)}
+        report: dict[str, Any] = {
+            "feature_js": feature_js(clients),
+            "test_samples": test_samples(clients),
+        }
         if ctx.data.task == "classification":
             report["label_kl"] = label_kl(clients, ctx.data.num_outputs)
         if ctx.run_dir is not None:

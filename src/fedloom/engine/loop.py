@@ -125,6 +125,8 @@ class Engine(EngineParts):
                 ctx = self.context()
                 for callback in self.callbacks:
                     callback.on_failure(ctx)
+                if self.run_dir is not None:  # a failed run writes no more: free to resume
+                    self.run_dir.release()
                 raise
             finally:
                 self.executor.close()
