@@ -168,14 +168,40 @@ class StackedModel:
         of that task (``FunctionalModel.per_sample_loss``), so that a ReLU chain can run its
         backward by hand (core/stacked_chain.py)."""
         if self.chain is not None and task is not None:
-            with torch.no_grad():
-                hs = chain_forward(self.chain, params, x)
-                grad, losses = output_gradient(hs[-1], y, w, task)
-                factors, dense = chain_gradients(self.chain, params, hs, grad)
-            if trainable is not None:
-                factors = {k: v for k, v in factors.items() if k in trainable}
-                dense = {k: v for k, v in dense.items() if k in trainable}
-            return StackedGrad(factors, dense), losses
+            return self.chain_value_and_grad(params, x, y, w, task, trainable)
+        return self.autograd_value_and_grad(params, x, y, w, loss, trainable)
+
+    def chain_value_and_grad(
+        self,
+        params: Tree,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        w: torch.Tensor,
+        task: str,
+        trainable: set[str] | None,
+    ) -> tuple[StackedGrad, torch.Tensor]:
+        """:meth:`value_and_grad` of a declared ReLU chain, its backward run by hand."""
+        assert self.chain is not None
+        with torch.no_grad():
+            hs = chain_forward(self.chain, params, x)
+            grad, losses = output_gradient(hs[-1], y, w, task)
+            factors, dense = chain_gradients(self.chain, params, hs, grad)
+        if trainable is not None:
+            factors = {k: v for k, v in factors.items() if k in trainable}
+            dense = {k: v for k, v in dense.items() if k in trainable}
+        return StackedGrad(factors, dense), losses
+
+    def autograd_value_and_grad(
+        self,
+        params: Tree,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        w: torch.Tensor,
+        loss: Loss,
+        trainable: set[str] | None,
+    ) -> tuple[StackedGrad, torch.Tensor]:
+        """:meth:`value_and_grad` by autograd, stopping at each linear layer's output (its
+        weight's gradient stays a factor pair) and at the convolutions' parameters."""
         clients, width = x.shape[0], x.shape[1]
         taps = Taps()
         leaves = {
@@ -194,14 +220,29 @@ class StackedModel:
             }
             inputs = [*wanted.values(), *leaves.values()]
             grads = torch.autograd.grad(losses.sum(), inputs) if inputs else ()
-        factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         dense: Tree = dict(zip(leaves, grads[len(wanted) :], strict=True))
-        for name, g in zip(wanted, grads, strict=False):
-            if trainable is None or f"{name}weight" in trainable:
-                factors[f"{name}weight"] = (g, taps.inputs[name])
-            if f"{name}bias" in params and (trainable is None or f"{name}bias" in trainable):
-                dense[f"{name}bias"] = g.sum(1)
+        factors = _linear_gradients(
+            params, taps, dict(zip(wanted, grads, strict=False)), dense, trainable
+        )
         return StackedGrad(factors, dense), losses.detach()
+
+
+def _linear_gradients(
+    params: Tree,
+    taps: Taps,
+    output_grads: dict[str, torch.Tensor],
+    dense: Tree,
+    trainable: set[str] | None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each linear layer's weight gradient as the pair (output gradient, input), and its bias
+    gradient (the output gradient summed over the samples) added to ``dense``."""
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, g in output_grads.items():
+        if trainable is None or f"{name}weight" in trainable:
+            factors[f"{name}weight"] = (g, taps.inputs[name])
+        if f"{name}bias" in params and (trainable is None or f"{name}bias" in trainable):
+            dense[f"{name}bias"] = g.sum(1)
+    return factors
 
 
 def _stacked_linear(
