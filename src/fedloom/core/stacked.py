@@ -168,40 +168,11 @@ class StackedModel:
         of that task (``FunctionalModel.per_sample_loss``), so that a ReLU chain can run its
         backward by hand (core/stacked_chain.py)."""
         if self.chain is not None and task is not None:
-            return self.chain_value_and_grad(params, x, y, w, task, trainable)
-        return self.autograd_value_and_grad(params, x, y, w, loss, trainable)
-
-    def chain_value_and_grad(
-        self,
-        params: Tree,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        w: torch.Tensor,
-        task: str,
-        trainable: set[str] | None,
-    ) -> tuple[StackedGrad, torch.Tensor]:
-        """:meth:`value_and_grad` of a declared ReLU chain, its backward run by hand."""
-        assert self.chain is not None
-        with torch.no_grad():
-            hs = chain_forward(self.chain, params, x)
-            grad, losses = output_gradient(hs[-1], y, w, task)
-            factors, dense = chain_gradients(self.chain, params, hs, grad)
-        if trainable is not None:
-            factors = {k: v for k, v in factors.items() if k in trainable}
-            dense = {k: v for k, v in dense.items() if k in trainable}
-        return StackedGrad(factors, dense), losses
-
-    def autograd_value_and_grad(
-        self,
-        params: Tree,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        w: torch.Tensor,
-        loss: Loss,
-        trainable: set[str] | None,
-    ) -> tuple[StackedGrad, torch.Tensor]:
-        """:meth:`value_and_grad` by autograd, stopping at each linear layer's output (its
-        weight's gradient stays a factor pair) and at the convolutions' parameters."""
+            factors, dense, losses = self.by_hand(params, x, y, w, task)
+            if trainable is not None:
+                factors = {k: v for k, v in factors.items() if k in trainable}
+                dense = {k: v for k, v in dense.items() if k in trainable}
+            return StackedGrad(factors, dense), losses
         clients, width = x.shape[0], x.shape[1]
         taps = Taps()
         leaves = {
@@ -225,6 +196,18 @@ class StackedModel:
             params, taps, dict(zip(wanted, grads, strict=False)), dense, trainable
         )
         return StackedGrad(factors, dense), losses.detach()
+
+    def by_hand(
+        self, params: Tree, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, task: str
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], Tree, torch.Tensor]:
+        """The gradient of a declared ReLU chain with its backward run by hand
+        (core/stacked_chain.py): (weight factors, dense gradients, losses)."""
+        assert self.chain is not None
+        with torch.no_grad():
+            hs = chain_forward(self.chain, params, x)
+            grad, losses = output_gradient(hs[-1], y, w, task)
+            factors, dense = chain_gradients(self.chain, params, hs, grad)
+        return factors, dense, losses
 
 
 def _linear_gradients(

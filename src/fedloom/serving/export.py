@@ -33,6 +33,7 @@ from fedloom.models import build_model
 
 CARD_FILE = "card.json"
 EXPORT_DIR = "export"
+Json = dict[str, Any]
 WHAT = {
     "global": "the server's global model after the last round",
     "ema": "exponential moving average of the global model over rounds (debiased)",
@@ -127,16 +128,14 @@ def _export_copy(
     return entry
 
 
-def _card(
-    run_dir: Path,
-    meta: dict[str, Any],
-    summary: dict[str, Any],
-    config: dict[str, Any],
-    copies: dict[str, Any],
-    serving: dict[str, Any],
-) -> dict[str, Any]:
+def _serving_facts(summary: Json, meta: Json) -> Json:
+    """What the run recorded about its served copies (summary.json, else serving.json)."""
+    return summary.get("serving") or meta.get("serving") or {}
+
+
+def _card(run_dir: Path, meta: Json, summary: Json, config: Json, copies: Json) -> Json:
     """card.json: the model to build, its input and classes, where it came from, the copies."""
-    routing = dict(serving.get("routing") or {})
+    routing = dict(_serving_facts(summary, meta).get("routing") or {})
     routing.pop("clients", None)
     return {
         "format": "fedloom-export",
@@ -171,7 +170,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     summary_path = run_dir / "summary.json"
     summary = read_json_object(summary_path) if summary_path.is_file() else {}
     config = read_yaml_mapping(run_dir / "config.yaml")
-    serving = summary.get("serving") or meta.get("serving") or {}
+    serving = _serving_facts(summary, meta)
     final = summary.get("final") or {}
     copies: dict[str, Any] = {}
     for name, filename in meta["files"].items():
@@ -181,7 +180,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         entry = _export_copy(name, tensors, target, meta["model"])
         entry.update(_metrics(name, final, serving))
         copies[name] = entry
-    card = _card(run_dir, meta, summary, config, copies, serving)
+    card = _card(run_dir, meta, summary, config, copies)
     (target / CARD_FILE).write_text(strict_json(card, indent=2))
     return target / CARD_FILE
 
