@@ -312,39 +312,40 @@ def overlay_panels(runs: Sequence[RunData], labels: Sequence[str]) -> list[Panel
         curve = cold_start(run)
         return list(curve), list(curve.values())
 
+    def accuracy(key: str, title: str, caption: str, section: str, metric: str) -> Panel:
+        return _overlay(
+            key,
+            title,
+            caption,
+            runs,
+            labels,
+            per_round(section, metric),
+            y_title="accuracy",
+            hover=pct,
+            percent=True,
+        )
+
     panels = [
-        _overlay(
+        accuracy(
             "global_accuracy",
             "Global accuracy",
             "The global model on the pooled test data, per evaluated round.",
-            runs,
-            labels,
-            per_round("global", "accuracy"),
-            y_title="accuracy",
-            hover=pct,
-            percent=True,
+            "global",
+            "accuracy",
         ),
-        _overlay(
+        accuracy(
             "personalized_mean",
             "Personalized accuracy · mean",
             "Each client's personalized model on its own test data, averaged over clients.",
-            runs,
-            labels,
-            per_round("personalized", "accuracy_mean"),
-            y_title="accuracy",
-            hover=pct,
-            percent=True,
+            "personalized",
+            "accuracy_mean",
         ),
-        _overlay(
+        accuracy(
             "personalized_p10",
             "Personalized accuracy · P10",
             "The 10th percentile over clients: how well the worst-served clients do.",
-            runs,
-            labels,
-            per_round("personalized", "accuracy_p10"),
-            y_title="accuracy",
-            hover=pct,
-            percent=True,
+            "personalized",
+            "accuracy_p10",
         ),
         _overlay(
             "loss",
