@@ -111,10 +111,8 @@ def _indices(path: Path, value: Any, where: str, n: int) -> np.ndarray:
     return idx
 
 
-def read_partition_file(path: str | Path) -> FrozenSplit:
-    """Read and check a partition file on its own (types, ranges, no index twice); the checks
-    against the dataset are :func:`check_against_pool`'s."""
-    path = Path(path).expanduser()
+def _load(path: Path) -> dict[str, Any]:
+    """The file's JSON object, checked to be a partition file."""
     if not path.is_file():
         raise ConfigError(f"{KEY}.path: no partition file at {path}")
     try:
@@ -124,22 +122,24 @@ def read_partition_file(path: str | Path) -> FrozenSplit:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise _bad(path, f"not a partition file (format {got!r}, expected {FORMAT!r})")
-    dataset, sha = raw.get("dataset"), raw.get("sha256")
-    if not isinstance(dataset, str) or not isinstance(sha, str) or len(sha) != 64:
-        raise _bad(path, "'dataset' must be a name and 'sha256' a 64-digit checksum")
-    n = _int(path, raw, "num_samples", 1)
-    num_clients = _int(path, raw, "num_clients", 1)
-    seed = _int(path, raw, "seed", -(2**63))
-    frac = raw.get("test_fraction")
-    if isinstance(frac, bool) or not isinstance(frac, int | float):
-        raise _bad(path, f"'test_fraction' must be a number, got {frac!r}")
+    return raw
+
+
+def _partition(path: Path, raw: dict[str, Any]) -> Partition:
+    """The validated parameters of the partition that made the split."""
     params = raw.get("partition")
     if not isinstance(params, dict) or params.get("kind") in (None, "file"):
         raise _bad(path, "'partition' must be the mapping of the partition that made the split")
     try:
-        part = validate(PARTITIONS.get(str(params["kind"])), params, f"{path}: partition")
+        return validate(PARTITIONS.get(str(params["kind"])), params, f"{path}: partition")
     except ConfigError as exc:
         raise _bad(path, str(exc)) from None
+
+
+def _clients(
+    path: Path, raw: dict[str, Any], num_clients: int, n: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each client's (train, test) pool indices: in range, train not empty, none twice."""
     clients = raw.get("clients")
     if not isinstance(clients, list) or len(clients) != num_clients:
         raise _bad(path, f"'clients' must list the {num_clients} clients")
@@ -157,6 +157,25 @@ def read_partition_file(path: str | Path) -> FrozenSplit:
     if len(uniq) != len(flat):
         twice = int(uniq[counts > 1][0])
         raise _bad(path, f"sample {twice} appears more than once (in two clients or splits)")
+    return indices
+
+
+def read_partition_file(path: str | Path) -> FrozenSplit:
+    """Read and check a partition file on its own (types, ranges, no index twice); the checks
+    against the dataset are :func:`check_against_pool`'s."""
+    path = Path(path).expanduser()
+    raw = _load(path)
+    dataset, sha = raw.get("dataset"), raw.get("sha256")
+    if not isinstance(dataset, str) or not isinstance(sha, str) or len(sha) != 64:
+        raise _bad(path, "'dataset' must be a name and 'sha256' a 64-digit checksum")
+    n = _int(path, raw, "num_samples", 1)
+    num_clients = _int(path, raw, "num_clients", 1)
+    seed = _int(path, raw, "seed", -(2**63))
+    frac = raw.get("test_fraction")
+    if isinstance(frac, bool) or not isinstance(frac, int | float):
+        raise _bad(path, f"'test_fraction' must be a number, got {frac!r}")
+    part = _partition(path, raw)
+    indices = _clients(path, raw, num_clients, n)
     return FrozenSplit(path, dataset, n, sha, part, seed, float(frac), indices)
 
 

@@ -24,6 +24,15 @@ def _classes(labels: np.ndarray) -> np.ndarray:
     return np.unique(labels)
 
 
+def _check_min_size(num_clients: int, min_size: int, n: int) -> None:
+    """Every client can get ``min_size`` of the ``n`` samples, or a ConfigError says so."""
+    if num_clients * min_size > n:
+        raise ConfigError(
+            f"{KEY}.min_size: {num_clients} clients x min_size {min_size} exceeds the "
+            f"{n} samples; lower data.num_clients or {KEY}.min_size"
+        )
+
+
 class LabelSkewPartition(Partition):
     """Base of the label-skew splits: they need integer class labels and deal by class."""
 
@@ -83,11 +92,7 @@ class DirichletPartition(LabelSkewPartition):
         self, labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator
     ) -> list[np.ndarray]:
         n = len(labels)
-        if num_clients * self.min_size > n:
-            raise ConfigError(
-                f"{KEY}.min_size: {num_clients} clients x min_size {self.min_size} exceeds the "
-                f"{n} samples; lower data.num_clients or {KEY}.min_size"
-            )
+        _check_min_size(num_clients, self.min_size, n)
         by_class = [np.flatnonzero(labels == c) for c in classes]
         smallest = 0
         for _ in range(MAX_DIRICHLET_TRIES):
@@ -240,11 +245,7 @@ class QuantityPartition(Partition):
         self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
     ) -> list[np.ndarray]:
         n = len(labels)
-        if num_clients * self.min_size > n:
-            raise ConfigError(
-                f"{KEY}.min_size: {num_clients} clients x min_size {self.min_size} exceeds the "
-                f"{n} samples; lower data.num_clients or {KEY}.min_size"
-            )
+        _check_min_size(num_clients, self.min_size, n)
         weights = rng.lognormal(0.0, self.sigma, num_clients)
         sizes = self.min_size + round_preserving_sum(weights, n - num_clients * self.min_size)
         return split_by_sizes(rng.permutation(n), sizes)
