@@ -70,6 +70,14 @@ def digits_ctx(hidden: int = 200, num_classes: int = 10) -> AlgorithmContext:
     )
 
 
+def assert_same_global(a: fedloom.RunResult, b: fedloom.RunResult) -> None:
+    """The same global model, bit for bit (a reduction to FedAvg)."""
+    assert a.global_params is not None and b.global_params is not None
+    assert a.global_params.keys() == b.global_params.keys()
+    for key, value in a.global_params.items():
+        assert torch.equal(value, b.global_params[key]), key
+
+
 # -- the runs of digits_config: who trains, the initial model ---------------------------------
 TRAINED = list(range(5))
 NEW = 5  # digits_config holds out client 5 (eval.new_clients: 1)
