@@ -1,6 +1,7 @@
 """Heterogeneous least-squares clients (sizes 20..180, so sample and uniform weights differ) and
-the pieces shared by the Ditto and APFL tests (tests/algorithms/test_ditto.py, test_apfl.py):
-distances to closed-form targets, the stochastic training setting, and the executor check."""
+the pieces shared by the tests of Ditto, APFL (tests/algorithms/test_ditto.py, test_apfl.py),
+SCAFFOLD, FedDyn and FedNova (test_scaffold.py, test_feddyn.py, test_fednova.py): distances to
+closed-form targets, the stochastic training setting, and the executor check."""
 
 from __future__ import annotations
 
@@ -61,3 +62,8 @@ def executors_match_sequential(algorithm):
         assert torch.allclose(
             as_vector(seq.global_params), as_vector(other.global_params), atol=1e-5
         )
+
+
+def global_distance(result, target: torch.Tensor) -> float:
+    """Distance of a run's global model to ``target``."""
+    return float((as_vector(result.global_params) - target).norm())
