@@ -163,9 +163,11 @@ class Algorithm:
 
     def client_program(self) -> ClientProgram:
         """The client side as one program (solvers/program.py) that every executor runs,
-        made once by ``make_program``."""
+        made once by ``make_program``, training on augmented minibatches when the dataset
+        declares augmentation (``ctx.make_plan.augment``, data/augment.py)."""
         if self._program is None:
             program = self.make_program()
+            program.augment = self.ctx.make_plan.augment
             if self.ctx.optimizer is not None:
                 refuse_adamw(self, program)
             self._program = program
@@ -619,14 +621,14 @@ class SGDProgram(StepProgram):
             def correction(p: Tree) -> Tree | None:
                 return rule(p, message, state)
 
-        data = task.data
+        data, plan = task.data, self.algorithm.client_plan(task)
         solved = local_sgd(
             self.model,
             params,
             buffers,
             data.x_train,
             data.y_train,
-            self.algorithm.client_plan(task),
+            plan,
             self.step_size(task),
             correction,
             self.momentum,
@@ -634,6 +636,7 @@ class SGDProgram(StepProgram):
             head=head,
             adamw=self.optimizer,
             moments=self.kept_moments(state),
+            augment=self.augmentations({BATCHES: Plan(plan)}, task).get(BATCHES),
         )
         return self.keep_moments(self.upload(message, state, task, solved), state, solved.moments)
 

@@ -51,6 +51,8 @@ def run_steps(
     end = max((p.end for p in plans.values()), default=0)
     x, y = task.data.x_train, task.data.y_train
     ones: dict[int, torch.Tensor] = {}
+    augments = program.augmentations(plans, task)
+    starts = {name: entry_starts(plans[name].batches) for name in augments}
     with torch.no_grad():
         for s in range(first, end):
             for update in program.updates:
@@ -64,7 +66,10 @@ def run_steps(
                     n = idx.shape[0]
                     if n not in ones:
                         ones[n] = torch.ones(n)
-                    batches.append(Batch(x[idx], y[idx], ones[n]))
+                    xb = x[idx]
+                    if name in augments:
+                        xb = augments[name].apply(xb, starts[name][s - plan.start])
+                    batches.append(Batch(xb, y[idx], ones[n]))
                 if update.draw is not None:
                     lead_batch = batches[0]
                     draws = update.draw(streams[update.name])
@@ -75,6 +80,16 @@ def run_steps(
                     acc[key] = acc.get(key, 0.0) + float(value)
                 counts[update.name] += 1
     return ClientRun(carry, finish_metrics(sums, counts), counts)
+
+
+def entry_starts(batches: list[torch.Tensor]) -> list[int]:
+    """Where each minibatch's entries start in the plan's entries concatenated (the rows of
+    its augmentation draws, data/augment.py)."""
+    starts, total = [], 0
+    for b in batches:
+        starts.append(total)
+        total += int(b.shape[0])
+    return starts
 
 
 def draw_streams(program: ClientProgram, task: ClientTask) -> dict[str, torch.Generator]:
