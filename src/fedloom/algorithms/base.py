@@ -316,7 +316,12 @@ def finetuned_models(
     plans = [
         ctx.make_plan(t.data, steps, purpose, t.round, t.client_id) if steps else [] for t in tasks
     ]
-    return finetune_stacked(model, [start] * len(tasks), [t.data for t in tasks], plans, lr)
+    augments = [
+        ctx.make_plan.augmentation(p, purpose, t.round, t.client_id)
+        for p, t in zip(plans, tasks, strict=True)
+    ]
+    datas = [t.data for t in tasks]
+    return finetune_stacked(model, [start] * len(tasks), datas, plans, lr, augments=augments)
 
 
 def average_buffers(

@@ -69,15 +69,20 @@ def augment_batch(x: torch.Tensor, params: torch.Tensor, padding: int) -> torch.
 @dataclass(frozen=True)
 class Augmentation:
     """One plan's draws: ``params`` (N, 3) rows (dy, dx, flip) aligned with the plan's entries
-    concatenated (``torch.cat(plan)``)."""
+    concatenated (``torch.cat(plan)``), and where each step's minibatch starts among them."""
 
     spec: AugmentSpec
     params: torch.Tensor
+    starts: tuple[int, ...]
 
     def apply(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``x``, the samples of plan entries ``start`` .. ``start + len(x)``, augmented."""
         rows = self.params[start : start + x.shape[0]]
         return augment_batch(x, rows, self.spec.crop_padding)
+
+    def step(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """``x``, the minibatch of the plan's step ``step``, augmented."""
+        return self.apply(x, self.starts[step])
 
 
 @dataclass(frozen=True)
@@ -111,18 +116,19 @@ class Augmenter:
     def draw(
         self, plan: Sequence[torch.Tensor], purpose: str, round: int, client: int
     ) -> Augmentation:
-        """The draws for ``plan``: offsets uniform in [0, 2 crop_padding] (dy for every entry,
-        then dx), then flips with probability 1/2, from (seed, round, client, stream)."""
-        total = sum(int(b.shape[0]) for b in plan)
+        """The draws for ``plan``: one integer per entry from (seed, round, client, stream),
+        uniform over every (dy, dx, flip), offsets in [0, 2 crop_padding] and flip 1 with
+        probability 1/2 (0 without ``flip``). One draw per entry, in plan order: a plan's
+        prefix (a straggler's) gets the prefix of the draws."""
+        starts, total = [], 0
+        for b in plan:
+            starts.append(total)
+            total += int(b.shape[0])
         gen = generator(self.seed, self.stream(purpose), round, client)
-        params = torch.zeros(total, 3, dtype=torch.long)
-        if self.spec.crop_padding:
-            params[:, :2] = torch.randint(
-                0, 2 * self.spec.crop_padding + 1, (2, total), generator=gen
-            ).T
-        if self.spec.flip:
-            params[:, 2] = torch.randint(0, 2, (total,), generator=gen)
-        return Augmentation(self.spec, params)
+        k, f = 2 * self.spec.crop_padding + 1, 2 if self.spec.flip else 1
+        code = torch.randint(0, k * k * f, (total,), generator=gen)
+        params = torch.stack([code // (f * k), (code // f) % k, code % f], 1)
+        return Augmentation(self.spec, params, tuple(starts))
 
 
 def draw_augmentation(

@@ -112,15 +112,14 @@ def minibatches(
     small minibatches (benchmarks/README.md, Design measurements). With ``augment`` (the
     plan's draws, data/augment.py) each group's inputs are augmented in one batched call."""
     row_bytes = max(1, x[:1].numel() * x.element_size())
-    i, done = 0, 0  # done: plan entries gathered so far (where the group's draws start)
+    i = 0
     while i < len(plan):
         j, rows = i + 1, plan[i].shape[0]
         while j < len(plan) and (rows + plan[j].shape[0]) * row_bytes <= GATHER_BYTES:
             rows += plan[j].shape[0]
             j += 1
         idx = plan[i] if j - i == 1 else torch.cat(plan[i:j])
-        xs = x[idx] if augment is None else augment.apply(x[idx], done)
-        done += rows
+        xs = x[idx] if augment is None else augment.step(x[idx], i)  # the group's draws
         if j - i == 1:
             yield xs, y[idx]
         else:

@@ -52,7 +52,6 @@ def run_steps(
     x, y = task.data.x_train, task.data.y_train
     ones: dict[int, torch.Tensor] = {}
     augments = program.augmentations(plans, task)
-    starts = {name: entry_starts(plans[name].batches) for name in augments}
     with torch.no_grad():
         for s in range(first, end):
             for update in program.updates:
@@ -68,7 +67,7 @@ def run_steps(
                         ones[n] = torch.ones(n)
                     xb = x[idx]
                     if name in augments:
-                        xb = augments[name].apply(xb, starts[name][s - plan.start])
+                        xb = augments[name].step(xb, s - plan.start)
                     batches.append(Batch(xb, y[idx], ones[n]))
                 if update.draw is not None:
                     lead_batch = batches[0]
@@ -80,16 +79,6 @@ def run_steps(
                     acc[key] = acc.get(key, 0.0) + float(value)
                 counts[update.name] += 1
     return ClientRun(carry, finish_metrics(sums, counts), counts)
-
-
-def entry_starts(batches: list[torch.Tensor]) -> list[int]:
-    """Where each minibatch's entries start in the plan's entries concatenated (the rows of
-    its augmentation draws, data/augment.py)."""
-    starts, total = [], 0
-    for b in batches:
-        starts.append(total)
-        total += int(b.shape[0])
-    return starts
 
 
 def draw_streams(program: ClientProgram, task: ClientTask) -> dict[str, torch.Generator]:
