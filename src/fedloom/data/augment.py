@@ -9,7 +9,7 @@ minibatch where the minibatch is gathered. The draws are one ``(dy, dx, flip)`` 
 of the concatenated plan (per step and position), from the client's own stream (seed, round,
 client, 'augment') for the round's plan (``augment/<purpose>`` for another plan, e.g.
 fine-tuning's): every executor gathers the same plan, so it sees the same augmented samples
-(docs/data.md, "Train-time augmentation").
+(docs/augmentation.md).
 """
 
 from __future__ import annotations
