@@ -18,6 +18,7 @@ from fedloom.core import pytree
 from fedloom.core.files import one_line
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
+from fedloom.data.augment import Augmenter
 from fedloom.data.federated import FederatedData
 from fedloom.data.missing import hide_features
 from fedloom.data.validation import hold_out_validation
@@ -210,7 +211,12 @@ def make_algorithm(
         lr=train.lr,
         batch_size=train.batch_size,
         aggregate=mechanisms.aggregator(pytree.weighted_average),
-        make_plan=PlanMaker(config.seed, train.batch_size, poisson=sample_dp is not None),
+        make_plan=PlanMaker(
+            config.seed,
+            train.batch_size,
+            poisson=sample_dp is not None,
+            augment=Augmenter.of(data.augment, config.seed, data.input_shape),
+        ),
         rounds=train.rounds,
         population={c: data.clients[c].num_train for c in train_ids},
         sample_dp=sample_dp.dpsgd if sample_dp is not None else None,
