@@ -94,9 +94,6 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
-    def __del__(self) -> None:
-        self.release()
-
 
 _HELD: dict[int, RunLock] = {}
 """The locks this process holds, by descriptor (closed in forked children)."""
