@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -147,6 +148,24 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
             pytrace=False,
         )
     return result
+
+
+# Under pytest-xdist (scripts/test.sh runs `-n 2`) the workers collect and select, not the
+# controller that prints the summary: each worker sends its selection back when it ends.
+_WORKER_KEY = "fedloom_heavy_selection"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    output = getattr(session.config, "workeroutput", None)  # set on an xdist worker only
+    if output is not None and _SELECTION in session.config.stash:
+        output[_WORKER_KEY] = session.config.stash[_SELECTION]
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist
+def pytest_testnodedown(node: Any, error: object) -> None:  # node: an xdist WorkerController
+    selection = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
+    if selection is not None:  # every worker collects the same tests: any one's count holds
+        node.config.stash[_SELECTION] = {k: (int(n), float(b)) for k, (n, b) in selection.items()}
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config):

@@ -12,7 +12,7 @@ import torch
 
 import fedloom
 from fedloom.config import parse_config
-from fedloom.data import load_dataset
+from fedloom.data import FederatedData, load_dataset
 from fedloom.engine.loop import Engine
 from fedloom.engine.rundir import RunDir
 from fedloom.models import build_model
@@ -35,14 +35,19 @@ def crash_at(round_: int):
 
 
 def killed_and_resumed(
-    config: dict[str, Any], tmp_path: Path, crash_round: int
+    config: dict[str, Any],
+    tmp_path: Path,
+    crash_round: int,
+    data: FederatedData | None = None,
 ) -> tuple[fedloom.RunResult, fedloom.RunResult, dict[str, Any]]:
     """(uninterrupted run, run killed in ``crash_round`` and resumed, the checkpoint it resumed
     from), after asserting that the two runs give identical metrics, global model and client
-    models."""
-    full = fedloom.run(config, out=tmp_path / "full", progress=False)
+    models; ``data``: the runs' dataset instead of the configured one (the Python API's)."""
+    full = fedloom.run(config, data=data, out=tmp_path / "full", progress=False)
     cfg = parse_config(config)
-    data = load_dataset(cfg.data, cfg.seed)
+    custom = data
+    if data is None:
+        data = load_dataset(cfg.data, cfg.seed)
     run_dir = RunDir.create(tmp_path / "killed")
     run_dir.write_config(cfg.to_yaml())
     module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
@@ -50,7 +55,7 @@ def killed_and_resumed(
     with pytest.raises(Crash):
         engine.run()
     killed_at = run_dir.latest_checkpoint()
-    resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
+    resumed = fedloom.run(resume=tmp_path / "killed", data=custom, progress=False)
     assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
     rows = [json.loads(x) for x in (run_dir.path / "metrics.jsonl").read_text().splitlines()]
     assert metrics_without_time(rows) == metrics_without_time(full.history)

@@ -13,10 +13,12 @@ from fedloom.audit.auditor import audit
 from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.data import FederatedData, load_dataset, resolve_data_config
+from fedloom.data.partition_file import FILE_NAME as PARTITION_FILE
+from fedloom.data.partition_file import write_partition_file
 from fedloom.engine.callbacks import Callback
 from fedloom.engine.executor import Executor
 from fedloom.engine.loop import Engine, RunResult
-from fedloom.engine.rundir import RunDir, default_run_dir, differing_keys
+from fedloom.engine.rundir import RunDir, default_run_dir, differing_keys, releasing_locks
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.models import MODELS
 from fedloom.peft import build_run_model
@@ -24,6 +26,7 @@ from fedloom.peft import build_run_model
 
 def _save_inputs(run_dir: RunDir, config: RunConfig, data: FederatedData) -> None:
     run_dir.write_config(config.to_yaml())
+    write_partition_file(run_dir.path / PARTITION_FILE, data)  # pooled datasets only
     hist = data.label_histogram()
     if hist is not None:
         run_dir.write_json(
@@ -87,6 +90,7 @@ def _with_report(result: RunResult) -> RunResult:
     return result
 
 
+@releasing_locks()  # the run directory's lock ends with the call, whatever its end
 def run(
     config: RunConfig | dict[str, Any] | str | Path | None = None,
     *,
@@ -106,10 +110,12 @@ def run(
     ``model`` replace the configured dataset and model. ``out`` is the run directory (default
     ``runs/<algorithm>-<dataset>-<time>``); ``resume`` continues a run directory from its last
     checkpoint, refusing one whose config.yaml changed since that checkpoint was written unless
-    ``accept_config_change``; ``write=False`` keeps everything in memory. ``executor(model)``
-    makes the executor instead of the config (the Flower adapter's, which sends clients' work
-    to nodes). ``callbacks`` run around the round loop (engine/callbacks.py; ``fedloom
-    tune``'s reporter).
+    ``accept_config_change``. The run directory is locked for this call: a second run of it
+    (``out`` or ``resume``), here or in another process, raises ``fedloom.errors.RunDirLocked``
+    (the CLI's exit 2) naming the writer's PID. ``write=False`` keeps everything in memory.
+    ``executor(model)`` makes the executor instead of the config (the Flower adapter's, which
+    sends clients' work to nodes). ``callbacks`` run around the round loop
+    (engine/callbacks.py; ``fedloom tune``'s reporter).
     """
     saved = Path(resume) / "config.yaml" if resume is not None else None
     kind = run_kind(config if saved is None else saved if saved.is_file() else None)
@@ -143,10 +149,12 @@ def run(
         return _with_report(result)
     run_dir: RunDir | None = None
     if resume is not None:
-        run_dir = RunDir.open_existing(resume, accept_config_change)
+        run_dir = RunDir.open_for_writing(resume, accept_config_change)
         cfg = _check_resume(run_dir, None if config is None else resolve_config(config))
         run_dir.config = cfg.to_dict()
     else:
+        if out is not None and write:
+            RunDir.check_new(out)  # before the data is loaded (RunDir.create locks it later)
         cfg = resolve_defaults(resolve_config(config), custom_data=data is not None)
     if model is None and cfg.peft is None:
         MODELS.get(cfg.model.name)

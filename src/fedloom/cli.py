@@ -75,10 +75,11 @@ def _raw_config(config: Path | None, set_: list[str] | None) -> dict[str, Any]:
     from fedloom.rl.config import RL_ENVS
 
     if config is not None:
-        return apply_overrides(load_yaml(config), set_ or [])
+        return apply_overrides(load_yaml(config), set_ or [], written_in=str(config))
     overrides = set_ or []
     names = [item.split("=", 1)[1].strip() for item in overrides if item.startswith("data.name=")]
-    return apply_overrides(default_experiment(names[-1] if names else None, RL_ENVS), overrides)
+    default = default_experiment(names[-1] if names else None, RL_ENVS)
+    return apply_overrides(default, overrides, written_in=None)
 
 
 @app.command()

@@ -6,8 +6,7 @@ packages (``privacy/config.py``, ``secure/config.py``, ``attacks/config.py``,
 ``robust/config.py``, ``compression/config.py``, ``peft/config.py``,
 ``incentives/config.py``), the run's own in ``run_config/``. This module composes them into
 ``RunConfig``, declares the rules between sections (``RULES``, checked once, when the config
-is parsed), and loads YAML; it re-exports every section, so ``from fedloom.config import
-PrivacyConfig`` keeps working.
+is parsed), and loads YAML; a section is imported from its own package.
 
 Every section forbids unknown keys. Algorithm-specific keys sit beside ``algorithm.name`` and
 are validated by that algorithm's own config class when the run config is parsed (the parsed
@@ -31,80 +30,27 @@ from pydantic import (
     model_validator,
 )
 
-from fedloom.algorithms import AlgorithmConfig, parse_algorithm_config
-from fedloom.attacks.config import AttackConfig, TriggerConfig
+from fedloom.algorithms import ALGORITHMS, AlgorithmConfig, parse_algorithm_config
+from fedloom.attacks.config import AttackConfig
 from fedloom.compression.config import CompressionConfig
 from fedloom.core.files import one_line
 from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, check_plain_tree, format_validation_error
+from fedloom.data.partition import PARTITIONS
 from fedloom.errors import ConfigError
-from fedloom.incentives.config import (
-    EXACT_SHAPLEY_MAX,
-    ContributionConfig,
-    CostConfig,
-    IncentiveConfig,
-)
-from fedloom.peft.config import LORA_TARGETS, PEFT_MODELS, PeftConfig
-from fedloom.privacy.config import AdaptiveClipConfig, PrivacyConfig
+from fedloom.incentives.config import EXACT_SHAPLEY_MAX, ContributionConfig, IncentiveConfig
+from fedloom.models import MODELS
+from fedloom.peft.config import PEFT_MODELS, PeftConfig
+from fedloom.privacy.config import PrivacyConfig
 from fedloom.robust.config import AggregatorConfig
-from fedloom.run_config.asynchrony import AsynchronyConfig, SpeedsConfig
+from fedloom.run_config.asynchrony import AsynchronyConfig
 from fedloom.run_config.data import DataConfig, ModelConfig
-from fedloom.run_config.executor import DEFAULT_BUDGET, ExecutorConfig, StateConfig, parse_bytes
-from fedloom.run_config.monitor import AlertConfig, MonitorConfig, TrackingConfig
+from fedloom.run_config.executor import ExecutorConfig, StateConfig
+from fedloom.run_config.monitor import MonitorConfig, TrackingConfig
 from fedloom.run_config.rules import Algorithm, AnyOf, Check, Rule, check_rules, equals, used
 from fedloom.run_config.serving import ServingConfig
-from fedloom.run_config.train import (
-    CheckpointConfig,
-    EvalConfig,
-    TrainConfig,
-    Work,
-    WorkDistribution,
-)
+from fedloom.run_config.train import CheckpointConfig, EvalConfig, TrainConfig
 from fedloom.secure.config import SecureAggregationConfig
-
-__all__ = [
-    "DEFAULT_BUDGET",
-    "DEFAULT_EXPERIMENT",
-    "EXACT_SHAPLEY_MAX",
-    "LORA_TARGETS",
-    "PEFT_MODELS",
-    "RULES",
-    "AdaptiveClipConfig",
-    "AggregatorConfig",
-    "AlertConfig",
-    "AsynchronyConfig",
-    "AttackConfig",
-    "CheckpointConfig",
-    "CompressionConfig",
-    "ContributionConfig",
-    "CostConfig",
-    "DataConfig",
-    "EvalConfig",
-    "ExecutorConfig",
-    "IncentiveConfig",
-    "ModelConfig",
-    "MonitorConfig",
-    "PeftConfig",
-    "PrivacyConfig",
-    "RunConfig",
-    "SecureAggregationConfig",
-    "ServingConfig",
-    "SpeedsConfig",
-    "StateConfig",
-    "StrictModel",
-    "TrackingConfig",
-    "TrainConfig",
-    "TriggerConfig",
-    "Work",
-    "WorkDistribution",
-    "apply_overrides",
-    "asynchronous_algorithms",
-    "check_client_counts",
-    "load_yaml",
-    "parse_bytes",
-    "parse_config",
-    "resolve_config",
-]
 
 
 class RunConfig(StrictModel):
@@ -518,9 +464,63 @@ _SWITCHES: dict[tuple[str, ...], str] = {
     ("algorithm",): "name",
     ("data",): "name",
     ("data", "partition"): "kind",
+    ("model",): "name",
 }
-"""Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind): a
-``--set`` naming another choice than the file's starts a fresh section."""
+"""Sections whose keys belong to one choice (the algorithm, the dataset, the partition kind, the
+model): a
+``--set`` naming another choice keeps every key written for the old one (each must be a key of
+the new choice) and replaces only the embedded defaults' keys."""
+
+
+_CHOICES = {
+    ("algorithm",): "algorithm",
+    ("data",): "dataset",
+    ("data", "partition"): "partition",
+    ("model",): "model",
+}
+"""What each switch of ``_SWITCHES`` chooses, as messages name it."""
+
+
+def _foreign_keys(section: tuple[str, ...], keys: dict[str, Any], old: Any) -> list[str]:
+    """The keys of ``section`` that the choice it now holds does not have. An algorithm's or a
+    partition's keys are its Config's fields (a choice that does not exist is the parser's
+    error); every dataset has the data section's keys, and only the old dataset's options (the
+    mapping under its name) are not the new one's; a model's keys are the section's own and its
+    options (models/spec.py)."""
+    name = keys.get(_SWITCHES[section])
+    if section == ("data",):
+        return [k for k in keys if k == old and k != name]
+    if section == ("model",):
+        spec = MODELS.get(name) if isinstance(name, str) and name in MODELS else None
+        options = spec.options.model_fields if spec is not None else {}
+        return [k for k in keys if k not in ModelConfig.model_fields and k not in options]
+    registry = ALGORITHMS if section == ("algorithm",) else PARTITIONS
+    if not isinstance(name, str) or name not in registry:
+        return []
+    entry = registry.get(name)
+    fields = entry.Config.model_fields if section == ("algorithm",) else entry.model_fields
+    return [k for k in keys if k not in fields]
+
+
+def _check_switched(
+    raw: dict[str, Any],
+    section: tuple[str, ...],
+    old: Any,
+    set_paths: set[tuple[str, ...]],
+    written_in: str,
+) -> None:
+    """Every key left in a switched ``section`` is one of its new choice's, else ConfigError
+    naming the key, the choice and where the key was written."""
+    keys = _find_section(raw, section)
+    foreign = _foreign_keys(section, keys, old) if keys is not None else []  # None: set null
+    if foreign:
+        path = (*section, foreign[0])
+        by_set = any(p[: len(path)] == path for p in set_paths)
+        raise ConfigError(
+            f"{'.'.join(path)}: not a key of {_CHOICES[section]} "
+            f"'{keys.get(_SWITCHES[section])}' (written in {'--set' if by_set else written_in}): "
+            "remove it there"
+        )
 
 
 def default_experiment(dataset: str | None, rl_envs: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -591,21 +591,30 @@ def _section(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return node
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set key.path=value`` overrides (values parsed as YAML scalars/lists).
+def apply_overrides(
+    raw: dict[str, Any], overrides: list[str], written_in: str | None = "the config"
+) -> dict[str, Any]:
+    """Apply ``--set key.path=value`` overrides (values parsed as YAML scalars/lists) to
+    ``raw``: the keys written ``written_in`` (a file's name), or None when ``raw`` is the
+    embedded default experiment (``DEFAULT_EXPERIMENT``), whose keys nobody wrote.
 
-    ``--set algorithm.name=X`` (or ``data.partition.kind=X``) naming another choice than the
-    file's starts a fresh section (the old choice's keys would not apply to X); it is applied
-    first, so the other ``--set`` keys of that section land in the new one. Setting one of
-    ``train.local_epochs`` / ``train.local_steps`` removes the file's other (both set by
-    ``--set`` stays an error)."""
+    Nothing written is dropped: ``--set algorithm.name=X`` (or ``data.name``,
+    ``data.partition.kind``) naming another choice keeps the section's written keys, and each
+    must be a key of X (else ConfigError naming the key, X and where it was written); of the
+    defaults, that section starts afresh (the old choice's keys would not apply to X) before
+    the other ``--set`` keys land in it. Setting one of ``train.local_epochs`` /
+    ``train.local_steps`` removes the file's other (both set by ``--set`` stays an error)."""
     raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
     parsed = [_parse_override(item) for item in overrides]
+    switched: list[tuple[tuple[str, ...], Any]] = []
     for keys, value in parsed:
         if keys[:-1] in _SWITCHES and keys[-1] == _SWITCHES[keys[:-1]]:
             section = _find_section(raw, keys[:-1])
-            if section is None or section.get(keys[-1]) != value:
-                _section(raw, keys[:-2])[keys[-2]] = {keys[-1]: value}
+            old = None if section is None else section.get(keys[-1])
+            if old != value:
+                switched.append((keys[:-1], old))
+                if written_in is None:
+                    _section(raw, keys[:-2])[keys[-2]] = {keys[-1]: value}
     set_paths = {keys for keys, _ in parsed}
     for keys, value in parsed:
         other = _ALTERNATIVES.get(keys)
@@ -614,6 +623,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if section is not None:
                 section.pop(other[-1], None)
         _section(raw, keys[:-1])[keys[-1]] = value
+    for section_keys, old in switched:
+        _check_switched(raw, section_keys, old, set_paths, written_in or "the default experiment")
     return raw
 
 

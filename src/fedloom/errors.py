@@ -22,6 +22,15 @@ class RunDirError(FedloomInputError):
     """The output or resume directory cannot be used."""
 
 
+class RunDirLocked(RunDirError):
+    """Another process is writing the run directory (it holds RUN/.lock); ``pid`` is its PID
+    (None when unreadable)."""
+
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 class RoundAborted(RuntimeError):
     """A round's server step cannot be taken (secure aggregation below its threshold, too few
     clients for a robust rule's precondition): the engine keeps the server's state for that

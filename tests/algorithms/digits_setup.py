@@ -5,15 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 import fedloom
 from fedloom.algorithms import AlgorithmContext
 from fedloom.core.functional import FunctionalModel
-from fedloom.core.pytree import weighted_average
+from fedloom.core.pytree import Tree, weighted_average
 from fedloom.models import MLP
 from fedloom.solvers.local import PlanMaker
 
 SHARDS = {"kind": "shards", "shards_per_client": 2}
 DIRICHLET = {"kind": "dirichlet", "alpha": 0.5}
+
+BODY = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+"""The 2NN's body: its two hidden layers (FedPer, FedCR and FedRep share it, LG-FedAvg keeps it)."""
+HEAD = ["fc3.weight", "fc3.bias"]
+"""The 2NN's head: its output layer."""
 
 
 def digits_config(
@@ -61,3 +68,25 @@ def digits_ctx(hidden: int = 200, num_classes: int = 10) -> AlgorithmContext:
         make_plan=PlanMaker(0, 8),
         population={0: 30, 1: 50, 2: 20, 3: 40},
     )
+
+
+def assert_same_global(a: fedloom.RunResult, b: fedloom.RunResult) -> None:
+    """The same global model, bit for bit (a reduction to FedAvg)."""
+    assert a.global_params is not None and b.global_params is not None
+    assert a.global_params.keys() == b.global_params.keys()
+    for key, value in a.global_params.items():
+        assert torch.equal(value, b.global_params[key]), key
+
+
+# -- the runs of digits_config: who trains, the initial model ---------------------------------
+TRAINED = list(range(5))
+NEW = 5  # digits_config holds out client 5 (eval.new_clients: 1)
+
+
+def initial_params() -> Tree:
+    """The initial model of digits_config's runs (seed 3)."""
+    return FunctionalModel(MLP((1, 8, 8), 10), "classification").initial_state(3)[0]
+
+
+def flat(params: Tree, keys: list[str]) -> torch.Tensor:
+    return torch.cat([params[k].flatten() for k in keys])

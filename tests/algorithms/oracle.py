@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 import fedloom
-from fedloom.config import DataConfig
 from fedloom.data import FederatedData, load_dataset
+from fedloom.run_config.data import DataConfig
 
 
 def quadratic_data(num_clients: int = 5, seed: int = 0, **options) -> FederatedData:
@@ -100,7 +100,7 @@ def run(data: FederatedData, algorithm: dict, rounds: int, lr: float, **train) -
     return fedloom.run(config, data=data, write=False, progress=False)
 
 
-# -- pFedMac (tests/algorithms/test_pfedmac_fpfc.py) ---------------------------------------------
+# -- pFedMac (tests/algorithms/test_pfedmac.py) --------------------------------------------------
 
 
 def pfedmac_client_map(
@@ -211,7 +211,7 @@ def apfl_personal_fixed_point(
     return torch.linalg.solve(eye - torch.linalg.matrix_power(m, steps), acc)
 
 
-# -- L2SGD and pFedMe (Hanzely & Richtarik 2020; Dinh et al. 2020; test_l2sgd_pfedme.py) ------
+# -- L2SGD and pFedMe (Hanzely & Richtarik 2020; Dinh et al. 2020; test_l2sgd.py, test_pfedme.py)
 def l2sgd_mixed_solution(
     data: FederatedData, lam: float
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:

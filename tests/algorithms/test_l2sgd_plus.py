@@ -1,5 +1,5 @@
 """L2SGD+ (Hanzely & Richtarik 2020, arXiv:2002.05516, Algorithm 2; algorithms/l2sgd_plus.py)
-on the least-squares clients of tests/algorithms/test_l2sgd_pfedme.py (K = 5, 100 samples,
+on the least-squares clients of tests/algorithms/mixed_model_setup.py (K = 5, 100 samples,
 Hessians with eigenvalues in [1.14, 3.46]), with stochastic gradients: 4 blocks of 20 training
 samples per client (``batch_size: 20``).
 

@@ -9,9 +9,10 @@ import statistics
 
 import pytest
 
-from fedloom.config import SpeedsConfig, parse_config
+from fedloom.config import parse_config
 from fedloom.engine.clock import Speeds, staleness_weight
 from fedloom.errors import ConfigError
+from fedloom.run_config.asynchrony import SpeedsConfig
 
 
 @pytest.mark.parametrize("d", [0, 1, 2, 3, 7, 50])

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (scripts/test.sh)
+
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

@@ -120,25 +120,45 @@ def test_set_overrides_and_run_directory(tmp_path):
     assert summary["algorithm"] == "fedprox" and summary["rounds"] == 3
 
 
-def test_set_algorithm_name_starts_a_fresh_algorithm_section():
+def test_set_algorithm_name_keeps_the_written_algorithm_keys():
     from fedloom.config import apply_overrides
 
-    raw = {"algorithm": {"name": "fedavg_ft", "finetune_steps": 10}}
-    # the file's fedavg_ft keys do not leak into scaffold; later --set keys land in it
-    out = apply_overrides(raw, ["algorithm.server_lr=0.5", "algorithm.name=scaffold"])
+    raw = {"algorithm": {"name": "fedprox", "mu": 0.5}}
+    # a key both algorithms have stays; later --set keys land in the new section
+    out = apply_overrides(
+        {"algorithm": {"name": "fedavg", "server_lr": 0.5}}, ["algorithm.name=scaffold"]
+    )
     assert out["algorithm"] == {"name": "scaffold", "server_lr": 0.5}
+    # a written key the new algorithm lacks is an error naming it, the algorithm and the file
+    with pytest.raises(
+        ConfigError,
+        match=r"^algorithm\.mu: not a key of algorithm 'fedavg' \(written in my\.yaml\)",
+    ):
+        apply_overrides(raw, ["algorithm.name=fedavg"], written_in="my.yaml")
+    with pytest.raises(ConfigError, match=r"^algorithm\.mu: .* 'scaffold' \(written in --set\)"):
+        apply_overrides(
+            {"algorithm": {"name": "fedavg"}}, ["algorithm.name=scaffold", "algorithm.mu=1"]
+        )
     # the same name keeps the file's keys
-    same = apply_overrides(raw, ["algorithm.name=fedavg_ft", "algorithm.finetune_steps=3"])
-    assert same["algorithm"] == {"name": "fedavg_ft", "finetune_steps": 3}
+    same = apply_overrides(raw, ["algorithm.name=fedprox", "algorithm.mu=3"])
+    assert same["algorithm"] == {"name": "fedprox", "mu": 3}
+    # the default experiment's keys were written by nobody: its algorithm section starts afresh
+    default = {"algorithm": {"name": "fedavg_ft", "finetune_steps": 10}}
+    out = apply_overrides(default, ["algorithm.mu=0.5", "algorithm.name=fedprox"], written_in=None)
+    assert out["algorithm"] == {"name": "fedprox", "mu": 0.5}
 
 
-def test_set_partition_kind_starts_a_fresh_partition_section():
+def test_set_partition_kind_keeps_the_written_partition_keys():
     from fedloom.config import apply_overrides
 
     raw = {"data": {"name": "mnist", "partition": {"kind": "dirichlet", "alpha": 0.5}}}
-    assert apply_overrides(raw, ["data.partition.kind=iid"])["data"]["partition"] == {"kind": "iid"}
-    # later keys land in the new section, whatever their order on the command line
-    out = apply_overrides(raw, ["data.partition.shards_per_client=3", "data.partition.kind=shards"])
+    with pytest.raises(ConfigError, match=r"^data\.partition\.alpha: not a key of partition 'iid'"):
+        apply_overrides(raw, ["data.partition.kind=iid"])
+    # the kind's own keys from --set, whatever their order on the command line
+    shards = {"data": {"name": "mnist", "partition": {"kind": "iid"}}}
+    out = apply_overrides(
+        shards, ["data.partition.shards_per_client=3", "data.partition.kind=shards"]
+    )
     assert out["data"]["partition"] == {"kind": "shards", "shards_per_client": 3}
     # the same kind keeps the file's keys; the input is not modified
     same = apply_overrides(raw, ["data.partition.kind=dirichlet", "data.partition.min_size=2"])
@@ -148,6 +168,52 @@ def test_set_partition_kind_starts_a_fresh_partition_section():
     for data in ({"name": "mnist"}, {"name": "mnist", "partition": None}):
         out = apply_overrides({"data": data}, ["data.partition.kind=iid"])
         assert out["data"]["partition"] == {"kind": "iid"}
+    # of the default experiment, the old kind's keys go
+    out = apply_overrides(raw, ["data.partition.kind=iid"], written_in=None)
+    assert out["data"]["partition"] == {"kind": "iid"}
+
+
+def test_set_data_name_keeps_the_written_data_keys():
+    from fedloom.config import apply_overrides
+
+    raw = {"data": {"name": "synthetic", "num_clients": 5, "partition": {"kind": "iid"}}}
+    out = apply_overrides(raw, ["data.name=mnist"])
+    assert out["data"] == {"name": "mnist", "num_clients": 5, "partition": {"kind": "iid"}}
+    # the old dataset's own options do not exist for the new one
+    raw["data"]["synthetic"] = {"alpha": 1.0}
+    with pytest.raises(
+        ConfigError, match=r"^data\.synthetic: not a key of dataset 'mnist' \(written in f\.yaml\)"
+    ):
+        apply_overrides(raw, ["data.name=mnist"], written_in="f.yaml")
+    # the default experiment's: the new dataset alone, then the --set keys
+    out = apply_overrides(raw, ["data.name=mnist", "data.num_clients=3"], written_in=None)
+    assert out["data"] == {"name": "mnist", "num_clients": 3}
+
+
+def test_a_switch_on_the_command_line_keeps_what_the_file_wrote(tmp_path):
+    """The bug this replaced: --set data.name / algorithm.name trained on the new choice's
+    defaults (partition iid, FedProx's default mu), silently dropping the file's keys."""
+    path = write_config(
+        tmp_path,
+        data={"name": "mnist", "partition": {"kind": "shards", "shards_per_client": 2}},
+        train={"rounds": 1},
+    )
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "algorithm": {"mu": 0.5}}))  # no name: --set gives it
+    out = tmp_path / "run"
+    sets = ("--set", "data.name=digits", "--set", "algorithm.name=fedprox")
+    proc = fedloom("run", str(path), *sets, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["data"]["name"] == "digits" and resolved["data"]["num_clients"] == 6
+    assert resolved["data"]["partition"]["kind"] == "shards"
+    assert resolved["data"]["partition"]["shards_per_client"] == 2
+    assert resolved["algorithm"]["name"] == "fedprox" and resolved["algorithm"]["mu"] == 0.5
+    # a written key the new choice lacks: exit 2 naming the key, the choice and the file
+    proc = fedloom("run", str(path), "--set", "algorithm.name=fedavg", "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2
+    assert f"algorithm.mu: not a key of algorithm 'fedavg' (written in {path})" in proc.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_set_local_steps_replaces_local_epochs_and_vice_versa():
@@ -182,23 +248,32 @@ EXAMPLES = sorted(  # RL examples (docs/rl.md) have no dataset partition or loca
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_examples_accept_partition_and_budget_overrides(path):
     """Every example resolves (config and data section, no data loaded) with the partition
-    kind switched to one its dataset allows that has no keys of the file's kind, and with
-    local steps instead of its local work."""
+    kind switched to one its dataset allows, and with local steps instead of its local work; a
+    partition key the file wrote for its own kind is an error naming it (nothing is dropped)."""
     from fedloom.config import apply_overrides, load_yaml, parse_config
+    from fedloom.data import PARTITIONS
     from fedloom.data.load import resolve_data_config
     from fedloom.data.spec import DATASETS
 
     raw = load_yaml(path)
     spec = DATASETS.get(raw["data"]["name"])
     kind = "iid" if "iid" in spec.partitions else spec.default_partition
-    cfg = parse_config(apply_overrides(raw, [f"data.partition.kind={kind}", "train.local_steps=5"]))
+    sets = [f"data.partition.kind={kind}", "train.local_steps=5"]
+    partition = raw["data"].get("partition") or {}
+    foreign = [k for k in partition if k not in PARTITIONS.get(kind).model_fields]
+    if foreign and partition.get("kind") != kind:
+        with pytest.raises(ConfigError, match=rf"^data\.partition\.{foreign[0]}: not a key of"):
+            apply_overrides(raw, sets, written_in=str(path))
+        raw["data"]["partition"] = {k: v for k, v in partition.items() if k not in foreign}
+    cfg = parse_config(apply_overrides(raw, sets))
     assert resolve_data_config(cfg.data)["partition"]["kind"] == kind
     assert (cfg.train.local_steps, cfg.train.local_epochs) == (5, None)
 
 
 def test_cli_switches_partition_kind_and_local_budget_of_the_default_config(tmp_path):
-    """The default experiment (dirichlet alpha, local_epochs) with --set partition kind iid and
-    local steps: it runs, and the run directory's config has the new kind and budget only."""
+    """The default experiment (dirichlet alpha, local_epochs, fedavg_ft) with --set partition
+    kind iid, local steps and FedProx: it runs, and the run directory's config has the new kind,
+    budget and algorithm only (the default's keys of the old choices are replaced)."""
     out = tmp_path / "run"
     proc = fedloom(
         "run",
@@ -206,12 +281,19 @@ def test_cli_switches_partition_kind_and_local_budget_of_the_default_config(tmp_
         *("--set", "train.rounds=1", "--set", "data.num_clients=6"),
         *("--set", "train.clients_per_round=2", "--set", "model.name=logreg"),
         *("--set", "eval.adaptation_steps=[0]", "--set", "checkpoint.every=null"),
+        *("--set", "algorithm.name=fedprox", "--set", "algorithm.mu=0.5"),
         "--out",
         str(out),
     )
     assert proc.returncode == 0, proc.stderr
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["data"]["partition"] == {"kind": "iid"}
+    # the default's fedavg_ft keys (finetune_steps) were written by nobody: they go
+    assert resolved["algorithm"] == {
+        "name": "fedprox",
+        "mu": 0.5,
+        "mu_schedule": {"kind": "constant", "min": 0.01},
+    }
     assert resolved["train"]["local_steps"] == 1 and resolved["train"]["local_epochs"] is None
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedloom.compression import UploadCompression
-from fedloom.config import CompressionConfig
+from fedloom.compression.config import CompressionConfig
 from tests.resume import killed_and_resumed
 
 SCHEMES = [

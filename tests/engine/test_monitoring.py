@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import fedloom
+from fedloom.config import parse_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
+from fedloom.data import load_dataset
 from fedloom.engine.monitoring import (
     feature_js,
     gradient_dissimilarity,
@@ -141,7 +143,11 @@ def test_engine_records_health_every_evaluated_round(tmp_path):
         comm = row["communication"]  # every round sends the same: total = round x per round
         assert comm["bytes_up_round"] * row["round"] == comm["bytes_up"] > 0
     het = json.loads((tmp_path / "run" / "heterogeneity.json").read_text())
-    assert set(het) == {"label_kl", "feature_js"} and len(het["label_kl"]) == 6
+    assert set(het) == {"label_kl", "feature_js", "test_samples"} and len(het["label_kl"]) == 6
+    # what each client's personalized accuracy is measured on (the collapse alert's minimum)
+    data = load_dataset(parse_config(digits("fedavg")).data, 0)
+    assert het["test_samples"] == {str(c): d.num_test for c, d in enumerate(data.clients)}
+    assert len(set(het["test_samples"].values())) > 1  # dirichlet: unequal sizes
     summary = result.summary["heterogeneity"]
     assert summary["zeta2_last"] == rows[-1]["monitor"]["zeta2"]
     assert summary["label_kl_mean"] == pytest.approx(np.mean(list(het["label_kl"].values())))

@@ -25,6 +25,8 @@ from tests.conftest import metrics_without_time
 from tests.engine.ray_cluster import free_port, ray_cluster
 from tests.engine.test_executor_equivalence import NEEDS_NORM_LAYERS
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (scripts/test.sh)
+
 ray = pytest.importorskip("ray")
 
 ROUNDS = 3

@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from fedloom.config import ExecutorConfig
 from fedloom.engine.processes import MultiprocessExecutor
 from fedloom.engine.threads import (
     OPENMP_WAIT_VARS,
@@ -24,6 +23,7 @@ from fedloom.engine.threads import (
     torch_threads,
 )
 from fedloom.models import build_model
+from fedloom.run_config.executor import ExecutorConfig
 from tests.engine.test_auto import engine
 
 

@@ -9,9 +9,10 @@ import textwrap
 
 import pytest
 
-from fedloom.config import parse_bytes, parse_config
+from fedloom.config import parse_config
 from fedloom.engine.memory import choose_chunk_size, client_footprint
 from fedloom.errors import ConfigError
+from fedloom.run_config.executor import parse_bytes
 
 PROBE = textwrap.dedent(
     """

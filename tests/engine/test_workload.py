@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.config import TrainConfig, parse_config
+from fedloom.config import parse_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.engine.workload import draw_work, full_budget, straggler_steps
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
+from fedloom.run_config.train import TrainConfig
 from fedloom.solvers.local import local_sgd
 from tests.engine.test_executor_equivalence import OTHER_EXECUTORS, assert_same, config
 

@@ -109,6 +109,27 @@ def test_run_config_keys_override_the_fedloom_config() -> None:
     assert source.resolve({}).train.rounds == 2
 
 
+def test_run_config_keys_keep_what_the_config_dict_wrote() -> None:
+    """A dict's partition and algorithm keys stay when the run config switches the dataset or
+    algorithm (config.apply_overrides); only the default experiment's are replaced."""
+    raw = {**BASE, "data": {**BASE["data"], "name": "mnist"}, "algorithm": {"mu": 0.5}}
+    cfg = ConfigSource.of(raw).resolve(
+        {"fedloom.data.name": "digits", "fedloom.algorithm.name": "fedprox"}
+    )
+    partition = cfg.data.partition or {}
+    assert cfg.data.name == "digits" and (partition["kind"], partition["alpha"]) == (
+        "dirichlet",
+        0.5,
+    )
+    assert cfg.algorithm.name == "fedprox" and cfg.algorithm.mu == 0.5  # type: ignore[attr-defined]
+    with pytest.raises(
+        ConfigError, match=r"^algorithm\.mu: not a key of algorithm 'fedavg' \(written"
+    ):
+        ConfigSource.of(raw).resolve({"fedloom.algorithm.name": "fedavg"})
+    default = ConfigSource.of(None).resolve({"fedloom.algorithm.name": "fedprox"})
+    assert default.algorithm.name == "fedprox" and not hasattr(default.algorithm, "finetune_steps")
+
+
 def test_bad_inputs_are_config_errors() -> None:
     vertical = {"data": {"name": "breast_cancer", "partition": {"kind": "vertical"}}}
     with pytest.raises(ConfigError, match="vertical"):

@@ -18,6 +18,8 @@ import fedloom
 from fedloom.engine.sampling import sample_clients
 from fedloom.flower import run_simulation
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (scripts/test.sh)
+
 ray = pytest.importorskip("ray", reason="Flower's simulation runs on Ray (flwr[simulation])")
 
 TOL = 1e-5

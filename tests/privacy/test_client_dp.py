@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.config import PrivacyConfig, parse_config
+from fedloom.config import parse_config
 from fedloom.data import load_dataset
 from fedloom.engine.loop import Engine
 from fedloom.engine.sampling import poisson_clients
@@ -18,6 +18,7 @@ from fedloom.errors import ConfigError
 from fedloom.models import build_model
 from fedloom.privacy import ClientLevelDP, epsilon
 from fedloom.privacy.client_dp import clip_update
+from fedloom.privacy.config import PrivacyConfig
 from tests.engine.test_executor_equivalence import assert_same
 from tests.resume import killed_and_resumed
 

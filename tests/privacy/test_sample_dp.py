@@ -14,11 +14,12 @@ from torch import nn
 
 import fedloom
 from fedloom.algorithms import ALGORITHMS
-from fedloom.config import PrivacyConfig, parse_config
+from fedloom.config import parse_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.errors import ConfigError
 from fedloom.privacy import SampleLevelDP, epsilon
 from fedloom.privacy.accounting import frontier, noise_multiplier_for_all, worst_epsilon
+from fedloom.privacy.config import PrivacyConfig
 from fedloom.solvers.dpsgd import DPSGD, private_grad
 from fedloom.solvers.local import poisson_plan
 from fedloom.solvers.program import Batch

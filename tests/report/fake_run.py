@@ -136,6 +136,7 @@ def make_run_dir(
     summary: bool = True,
     label_histogram: bool = True,
     config: dict[str, Any] | None = None,
+    test_samples: dict[str, int] | None = None,
 ) -> Path:
     """Write config.yaml, metrics.jsonl and optionally summary.json / label_histogram.json."""
     path.mkdir(parents=True, exist_ok=True)
@@ -171,6 +172,7 @@ def make_run_dir(
         heterogeneity = {
             "label_kl": {str(c): 0.2 + 0.05 * (c % 7) for c in range(n)},
             "feature_js": {str(c): 0.001 + 0.0004 * (c % 5) for c in range(n)},
+            "test_samples": test_samples or {str(c): 60 for c in range(n)},
         }
         (path / "heterogeneity.json").write_text(json.dumps(heterogeneity), encoding="utf-8")
     if label_histogram:

@@ -181,6 +181,36 @@ def test_a_client_whose_personalized_accuracy_collapses(tmp_path):
     assert "client_accuracy_collapse" not in alerts_of(tmp_path / "off", rows, config=off)
 
 
+def test_a_collapse_is_judged_only_on_clients_with_enough_test_samples(tmp_path):
+    """The default run's false alarm (digits, 30 clients, FedAvg-FT): client 13 has 10 test
+    samples, and its fine-tuned accuracy went 9/10 -> 2/10 -> 8/10 (rounds 35-45). Below
+    ``client_accuracy_min_samples`` (20) it is not checked; the same fall to 0 on a client with
+    60 test samples still fires, and so does the small client when the minimum allows it."""
+    rows = make_rows(6)
+    for row, acc in zip(rows, [0.7, 0.9, 0.9, 0.2, 0.8, 0.9], strict=True):
+        row["client_accuracy"][13] = acc
+    for row in rows[4:]:
+        row["client_accuracy"][7] = 0.0
+    sizes = {str(c): 60 for c in range(20)} | {"13": 10}
+
+    def collapses(name: str, config=None) -> list:
+        path = make_run_dir(tmp_path / name, rows, config=config, test_samples=sizes)
+        return [a for a in evaluate_alerts(load_run(path)) if a.rule == "client_accuracy_collapse"]
+
+    (alert,) = collapses("default")
+    assert alert.round == 25.0 and alert.message.startswith("client 7 (0.0%")
+    assert "at least 20 test samples" in alert.message
+    small, big = collapses("ten", with_alerts(client_accuracy_min_samples=10))
+    assert (small.round, big.round) == (20.0, 25.0)
+    assert small.message.startswith("client 13 (20.0%, best 90.0%)")
+    assert "at least 10 test samples" in small.message
+    # a run that did not record the sizes (monitoring off): every client checked, and said so
+    bare = load_run(make_run_dir(tmp_path / "bare", rows, label_histogram=False))
+    unsized = [a for a in evaluate_alerts(bare) if a.rule == "client_accuracy_collapse"]
+    assert [a.round for a in unsized] == [20.0, 25.0]
+    assert "not recorded" in unsized[0].message
+
+
 def test_dropped_nonfinite_clients(tmp_path):
     rows = make_rows(5)
     for row, count in zip(rows, [0, 0, 1, 1, 3], strict=True):

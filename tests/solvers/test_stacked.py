@@ -20,7 +20,7 @@ from fedloom.solvers.program import Batch
 from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_sgd_step
 
 CLIENTS, WIDTH = 4, 6
-SHAPES = {"logreg": (1, 8, 8), "mlp": (1, 8, 8), "cnn": (1, 8, 8)}
+SHAPES = {"logreg": (1, 8, 8), "mlp": (1, 8, 8), "cnn": (1, 8, 8), "cnn4": (1, 16, 16)}
 
 
 def stacked_params(model: FunctionalModel, seed: int) -> dict[str, torch.Tensor]:

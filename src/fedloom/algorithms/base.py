@@ -163,9 +163,11 @@ class Algorithm:
 
     def client_program(self) -> ClientProgram:
         """The client side as one program (solvers/program.py) that every executor runs,
-        made once by ``make_program``."""
+        made once by ``make_program``, training on augmented minibatches when the dataset
+        declares augmentation (``ctx.make_plan.augment``, data/augment.py)."""
         if self._program is None:
             program = self.make_program()
+            program.augment = self.ctx.make_plan.augment
             if self.ctx.optimizer is not None:
                 refuse_adamw(self, program)
             self._program = program
@@ -314,7 +316,12 @@ def finetuned_models(
     plans = [
         ctx.make_plan(t.data, steps, purpose, t.round, t.client_id) if steps else [] for t in tasks
     ]
-    return finetune_stacked(model, [start] * len(tasks), [t.data for t in tasks], plans, lr)
+    augments = [
+        ctx.make_plan.augmentation(p, purpose, t.round, t.client_id)
+        for p, t in zip(plans, tasks, strict=True)
+    ]
+    datas = [t.data for t in tasks]
+    return finetune_stacked(model, [start] * len(tasks), datas, plans, lr, augments=augments)
 
 
 def average_buffers(
@@ -619,14 +626,14 @@ class SGDProgram(StepProgram):
             def correction(p: Tree) -> Tree | None:
                 return rule(p, message, state)
 
-        data = task.data
+        data, plan = task.data, self.algorithm.client_plan(task)
         solved = local_sgd(
             self.model,
             params,
             buffers,
             data.x_train,
             data.y_train,
-            self.algorithm.client_plan(task),
+            plan,
             self.step_size(task),
             correction,
             self.momentum,
@@ -634,6 +641,7 @@ class SGDProgram(StepProgram):
             head=head,
             adamw=self.optimizer,
             moments=self.kept_moments(state),
+            augment=self.augmentations({BATCHES: Plan(plan)}, task).get(BATCHES),
         )
         return self.keep_moments(self.upload(message, state, task, solved), state, solved.moments)
 

@@ -351,7 +351,7 @@ class DittoProgram(ClientProgram):
         )
         plans = {PERSONAL: self.algorithm.personal_plan(task, global_steps)}
         carry = self._personal_carry(message, state, task)
-        only = SimpleNamespace(updates=self.updates[-1:])
+        only = SimpleNamespace(updates=self.updates[-1:], augmentations=self.augmentations)
         run = run_steps(only, carry, plans, self.shared(message, task), task, 0)  # type: ignore[arg-type]
         return self._result(state, inner, run.carry["personal"], run.steps["personal"])
 

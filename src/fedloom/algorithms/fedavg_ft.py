@@ -52,5 +52,6 @@ class FedAvgFT(FedAvg):
             data.y_train,
             plan,
             lr,
+            augment=self.ctx.make_plan.augmentation(plan, "finetune", task.round, task.client_id),
         )
         return solved.params, solved.buffers

@@ -24,7 +24,7 @@ classes (the paper's pairwise label-margin analysis). One round::
   0, so s_c = +inf and the class drops out of the client's softmax (calibrated probability
   exactly 0; with tau = 0 that is 0 * inf = NaN). Clamping the count at 1e-8, as another
   public version does (``max(1e-8, count)``), gives s_c = 100 tau, the same up to a factor
-  exp(-100 tau). Measured consequence (tests/algorithms/test_fedlc_fedgen.py): with 2 labels
+  exp(-100 tau). Measured consequence (tests/algorithms/test_fedlc.py): with 2 labels
   per client each local softmax is over the client's 2 classes, nothing ranks classes of
   different clients against each other, and the global model collapses (0.17 against FedAvg's
   0.62 on Fashion-MNIST shards). The default ``min_count: 1`` therefore counts an absent class

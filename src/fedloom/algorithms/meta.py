@@ -58,9 +58,18 @@ def adapt(
     if steps == 0 or data.num_train == 0:
         return params, buffers
     plan = ctx.make_plan(data, steps, purpose, task.round, task.client_id)
+    augment = ctx.make_plan.augmentation(plan, purpose, task.round, task.client_id)
     with model.random_stream(ctx.seed, task.round, task.client_id):
         solved = local_sgd(
-            model, params, buffers, data.x_train, data.y_train, plan, lr, trainable=trainable
+            model,
+            params,
+            buffers,
+            data.x_train,
+            data.y_train,
+            plan,
+            lr,
+            trainable=trainable,
+            augment=augment,
         )
     return solved.params, solved.buffers
 

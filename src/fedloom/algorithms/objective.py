@@ -44,8 +44,7 @@ from fedloom.algorithms.base import (
 from fedloom.algorithms.weights import aggregation_weight
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
-from fedloom.solvers.local import Batch as LeanBatch
-from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.local import LeanBatch, LocalSolution
 from fedloom.solvers.program import Batch, Carry, Ops
 
 Shared = dict[str, Any]

@@ -61,7 +61,7 @@ from fedloom.core.pytree import Tree, num_bytes
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.solvers import ClientProgram
-from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.local import LocalSolution, minibatches
 
 
 class PFedHNConfig(AlgorithmConfig):
@@ -277,11 +277,13 @@ class PFedHN(Algorithm):
         plan = self.ctx.make_plan(data, steps, "pfedhn/embedding", task.round, task.client_id)
         hnet = {k: v.detach() for k, v in server["hnet"].items()}
         optimizer = torch.optim.Adam([embedding], lr=cfg.new_client_embedding_lr)
+        augment = self.ctx.make_plan.augmentation(
+            plan, "pfedhn/embedding", task.round, task.client_id
+        )
         with model.random_stream(self.ctx.seed, task.round, task.client_id), torch.enable_grad():
             model.module.train()
-            for idx in plan:
+            for x, y in minibatches(data.x_train, data.y_train, plan, augment):
                 params = self.generate(hnet, embedding.unsqueeze(0))
-                x, y = data.x_train[idx], data.y_train[idx]
                 loss = model.loss({k: v[0] for k, v in params.items()}, {}, x, y)
                 optimizer.zero_grad()
                 loss.backward()

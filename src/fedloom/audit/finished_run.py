@@ -12,16 +12,17 @@ from typing import Any
 
 from torch import nn
 
-from fedloom.config import ExecutorConfig, RunConfig, load_yaml, parse_config
+from fedloom.config import RunConfig, load_yaml, parse_config
 from fedloom.core.files import read_json_object
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
 from fedloom.data import FederatedData, load_dataset
 from fedloom.engine.loop import Engine
-from fedloom.engine.rundir import RunDir
+from fedloom.engine.rundir import RunDir, refuse_if_written
 from fedloom.engine.state import RunState
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.peft import build_run_model
+from fedloom.run_config.executor import ExecutorConfig
 
 Model = tuple[Tree, Tree]
 """(params, buffers)."""
@@ -65,6 +66,7 @@ def load_finished_run(
     custom model was given (``fedloom.run(config, data=..., model=...)``); otherwise both are
     rebuilt from ``config.yaml`` (same dataset, partition and seed, so the same clients)."""
     run = RunDir.open_existing(run_dir)
+    refuse_if_written(run.path, "audit")  # its checkpoints may be pruned while they are read
     cfg = parse_config(load_yaml(run.config_path))
     if data is None:
         data = load_dataset(cfg.data, cfg.seed)

@@ -108,7 +108,11 @@ def partition_transform(data: FederatedData) -> Transform:
     if not isinstance(params, dict) or "kind" not in params:
         return identity
     part = PARTITIONS.get(str(params["kind"])).model_validate(params)
-    return part.transform if part.needs_images else identity
+    if not part.needs_images:
+        return identity
+    n = data.num_clients
+    # seed -1: the noise kind draws non-members' noise apart from the clients' own
+    return lambda x, client: part.transform(x, client, n, -1)
 
 
 def make_reserve(

@@ -4,6 +4,7 @@ engine (which schedules them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,10 @@ Message = dict[str, Tree]
 """What travels between server and client, namespaced (``params``, ``buffers``, ``grad`` ...)."""
 
 
+MakePlan = Callable[[ClientData, int, str, int, int], list[torch.Tensor]]
+"""``(data, steps, purpose, round, client) -> minibatch index tensors`` (solvers/local.py)."""
+
+
 @dataclass
 class ClientTask:
     """One client's work order for one round, prepared by the engine."""
@@ -52,6 +57,25 @@ class ClientTask:
     full: int | None = None
     """Local steps the client was asked for (``len(plan)`` is what it completed: fewer for a
     straggler). None: not recorded, same as ``len(plan)``."""
+
+    @classmethod
+    def order(
+        cls,
+        client_id: int,
+        data: ClientData,
+        lr: float,
+        round: int,
+        make_plan: MakePlan | None = None,
+        steps: int = 0,
+        full: int | None = None,
+    ) -> ClientTask:
+        """The work order of ``client_id`` in ``round``: ``steps`` minibatches that
+        ``make_plan`` draws from the client's (seed, round, client, "batches") stream
+        (solvers/local.py, ``PlanMaker``), of the ``full`` steps it was asked for (a straggler
+        completes fewer); without ``make_plan``, no minibatches (a client the engine only
+        deploys or adapts: evaluation, cold start)."""
+        plan = [] if make_plan is None else make_plan(data, steps, "batches", round, client_id)
+        return cls(client_id, data, plan, lr, round, full)
 
 
 @dataclass

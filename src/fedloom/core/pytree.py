@@ -107,10 +107,6 @@ def num_bytes(tree: Mapping[str, torch.Tensor] | None) -> int:
     return sum(v.numel() * v.element_size() for v in tree.values())
 
 
-def sq_norm(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return sum((v.to(torch.float64) ** 2).sum() for v in tree.values() if v.is_floating_point())
-
-
 def flatten64(tree: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tensor:
     """The tensors at ``keys``, in that order, as one float64 vector (robust rules and secure
     aggregation work on these)."""

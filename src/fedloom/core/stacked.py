@@ -168,10 +168,7 @@ class StackedModel:
         of that task (``FunctionalModel.per_sample_loss``), so that a ReLU chain can run its
         backward by hand (core/stacked_chain.py)."""
         if self.chain is not None and task is not None:
-            with torch.no_grad():
-                hs = chain_forward(self.chain, params, x)
-                grad, losses = output_gradient(hs[-1], y, w, task)
-                factors, dense = chain_gradients(self.chain, params, hs, grad)
+            factors, dense, losses = self.by_hand(params, x, y, w, task)
             if trainable is not None:
                 factors = {k: v for k, v in factors.items() if k in trainable}
                 dense = {k: v for k, v in dense.items() if k in trainable}
@@ -194,14 +191,41 @@ class StackedModel:
             }
             inputs = [*wanted.values(), *leaves.values()]
             grads = torch.autograd.grad(losses.sum(), inputs) if inputs else ()
-        factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         dense: Tree = dict(zip(leaves, grads[len(wanted) :], strict=True))
-        for name, g in zip(wanted, grads, strict=False):
-            if trainable is None or f"{name}weight" in trainable:
-                factors[f"{name}weight"] = (g, taps.inputs[name])
-            if f"{name}bias" in params and (trainable is None or f"{name}bias" in trainable):
-                dense[f"{name}bias"] = g.sum(1)
+        factors = _linear_gradients(
+            params, taps, dict(zip(wanted, grads, strict=False)), dense, trainable
+        )
         return StackedGrad(factors, dense), losses.detach()
+
+    def by_hand(
+        self, params: Tree, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, task: str
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], Tree, torch.Tensor]:
+        """The gradient of a declared ReLU chain with its backward run by hand
+        (core/stacked_chain.py): (weight factors, dense gradients, losses)."""
+        assert self.chain is not None
+        with torch.no_grad():
+            hs = chain_forward(self.chain, params, x)
+            grad, losses = output_gradient(hs[-1], y, w, task)
+            factors, dense = chain_gradients(self.chain, params, hs, grad)
+        return factors, dense, losses
+
+
+def _linear_gradients(
+    params: Tree,
+    taps: Taps,
+    output_grads: dict[str, torch.Tensor],
+    dense: Tree,
+    trainable: set[str] | None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each linear layer's weight gradient as the pair (output gradient, input), and its bias
+    gradient (the output gradient summed over the samples) added to ``dense``."""
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, g in output_grads.items():
+        if trainable is None or f"{name}weight" in trainable:
+            factors[f"{name}weight"] = (g, taps.inputs[name])
+        if f"{name}bias" in params and (trainable is None or f"{name}bias" in trainable):
+            dense[f"{name}bias"] = g.sum(1)
+    return factors
 
 
 def _stacked_linear(

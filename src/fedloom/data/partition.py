@@ -51,8 +51,11 @@ class Partition(BaseModel):
         check_partition(parts, len(labels))
         return parts
 
-    def transform(self, x: torch.Tensor, client: int) -> torch.Tensor:
-        """Client ``client``'s features after a feature shift (identity by default)."""
+    def transform(
+        self, x: torch.Tensor, client: int, num_clients: int = 1, seed: int = 0
+    ) -> torch.Tensor:
+        """Client ``client``'s (of ``num_clients``) features after a feature shift (identity by
+        default); any randomness comes from the run seed ``seed``."""
         return x
 
     def params(self) -> dict[str, Any]:

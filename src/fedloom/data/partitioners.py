@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedloom.core.rng import generator
 from fedloom.data.partition import KEY, PARTITIONS, Partition, round_preserving_sum, split_by_sizes
 from fedloom.data.rotate import rotate_images
 from fedloom.errors import ConfigError
@@ -21,6 +22,15 @@ def _classes(labels: np.ndarray) -> np.ndarray:
             f"{KEY}.kind: this partition needs integer class labels, got {labels.dtype} targets"
         )
     return np.unique(labels)
+
+
+def _check_min_size(num_clients: int, min_size: int, n: int) -> None:
+    """Every client can get ``min_size`` of the ``n`` samples, or a ConfigError says so."""
+    if num_clients * min_size > n:
+        raise ConfigError(
+            f"{KEY}.min_size: {num_clients} clients x min_size {min_size} exceeds the "
+            f"{n} samples; lower data.num_clients or {KEY}.min_size"
+        )
 
 
 class LabelSkewPartition(Partition):
@@ -62,40 +72,96 @@ class DirichletPartition(LabelSkewPartition):
 
     Hsu, Qi & Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated
     Visual Classification", 2019. Small ``alpha`` is very skewed, large ``alpha`` approaches
-    IID. The whole draw is repeated until every client holds at least ``min_size`` samples.
+    IID. The whole draw is repeated until every client holds at least ``min_size`` samples, at
+    most MAX_DIRICHLET_TRIES times (then a ConfigError naming the numbers).
+
+    ``pfllib: true`` adds PFLlib's balancing rule (Zhang et al., PFLlib, JMLR 2025,
+    ``separate_data``, ``partition == 'dir'``, after Yurochkin et al.'s PFNM code): classes are
+    dealt in label order and a client already holding ``n / num_clients`` samples or more gets
+    no share of the later classes. PFLlib redraws until every client has ``least_samples``
+    (``int(min(40, n / num_clients / 2))``, see pfllib_partitions.py): set ``min_size`` to
+    that number to get its split (docs/partitions.md).
     """
 
     kind: Literal["dirichlet"] = "dirichlet"
     alpha: float = Field(0.5, gt=0, allow_inf_nan=False)
     min_size: int = Field(10, ge=1)
+    pfllib: bool = False
 
     def split_classes(
         self, labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator
     ) -> list[np.ndarray]:
-        if num_clients * self.min_size > len(labels):
-            raise ConfigError(
-                f"{KEY}.min_size: {num_clients} clients x min_size {self.min_size} exceeds the "
-                f"{len(labels)} samples; lower data.num_clients or {KEY}.min_size"
-            )
+        n = len(labels)
+        _check_min_size(num_clients, self.min_size, n)
         by_class = [np.flatnonzero(labels == c) for c in classes]
         smallest = 0
         for _ in range(MAX_DIRICHLET_TRIES):
-            pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-            for idx in by_class:
-                idx = rng.permutation(idx)
-                shares = rng.dirichlet(np.full(num_clients, self.alpha))
-                cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(np.int64)
-                for k, piece in enumerate(np.split(idx, cuts)):
-                    pieces[k].append(piece)
-            parts = [np.concatenate(p) for p in pieces]
-            smallest = min(len(p) for p in parts)
+            drawn = draw_dirichlet(by_class, num_clients, self.alpha, rng, balance=self.pfllib)
+            if drawn is None:
+                continue
+            smallest = int(drawn[2].min())
             if smallest >= self.min_size:
-                return parts
+                return assemble(drawn, num_clients)
         raise ConfigError(
-            f"{KEY}.min_size: after {MAX_DIRICHLET_TRIES} Dirichlet draws with alpha={self.alpha} "
-            f"some client still had fewer than {self.min_size} samples (last draw: {smallest}); "
-            f"raise {KEY}.alpha, lower {KEY}.min_size or use fewer clients"
+            f"{KEY}.min_size: after {MAX_DIRICHLET_TRIES} Dirichlet draws (alpha={self.alpha}"
+            f"{', pfllib' if self.pfllib else ''}) of {n} samples over {num_clients} clients "
+            f"some client still had fewer than min_size={self.min_size} samples (the last "
+            f"draw's smallest: {smallest}); raise {KEY}.alpha, lower {KEY}.min_size or use "
+            "fewer clients"
         )
+
+
+DirichletDraw = tuple[list[np.ndarray], list[np.ndarray], np.ndarray]
+"""Each class's shuffled indices, its cut points (np.split) and the clients' sizes."""
+
+
+def draw_dirichlet(
+    by_class: list[np.ndarray],
+    num_clients: int,
+    alpha: float,
+    rng: np.random.Generator,
+    *,
+    balance: bool,
+    holders: list[np.ndarray] | None = None,
+) -> DirichletDraw | None:
+    """One Dirichlet draw over the classes' indices ``by_class``, in order.
+
+    For each class: shuffle its indices, draw shares ~ Dir(alpha) over all clients, keep only
+    the class's ``holders`` (a boolean mask per class, ExDir) and, with ``balance``, only the
+    clients holding fewer than ``n / num_clients`` samples so far (PFLlib's rule; ignored for a
+    class where it would leave no share), then cut at ``floor(cumsum(shares) * n_c)``. With
+    ``holders``, the rounding remainder goes to the class's last holder (as PFLlib's ExDir).
+    None when no client has a positive share of some class (underflow at tiny alpha).
+    """
+    n = sum(len(idx) for idx in by_class)
+    sizes = np.zeros(num_clients, dtype=np.int64)
+    shuffled, cuts = [], []
+    for c, idx in enumerate(by_class):
+        idx = rng.permutation(idx)
+        shares = rng.dirichlet(np.full(num_clients, alpha))
+        if holders is not None:
+            shares = shares * holders[c]
+        if balance:
+            capped = shares * (sizes < n / num_clients)
+            shares = capped if capped.sum() > 0 else shares
+        if holders is not None or balance:
+            total = shares.sum()
+            if not total > 0:
+                return None
+            shares = shares / total
+        cut = (np.cumsum(shares)[:-1] * len(idx)).astype(np.int64)
+        if holders is not None:
+            cut[int(np.flatnonzero(shares)[-1]) :] = len(idx)
+        sizes += np.diff(cut, prepend=0, append=len(idx))
+        shuffled.append(idx)
+        cuts.append(cut)
+    return shuffled, cuts, sizes
+
+
+def assemble(drawn: DirichletDraw, num_clients: int) -> list[np.ndarray]:
+    """Each client's indices from a draw: its piece of every class."""
+    pieces = [np.split(idx, cut) for idx, cut in zip(drawn[0], drawn[1], strict=True)]
+    return [np.concatenate([p[k] for p in pieces]) for k in range(num_clients)]
 
 
 def _shards_per_class(counts: np.ndarray, total: int, num_clients: int) -> np.ndarray | None:
@@ -179,11 +245,7 @@ class QuantityPartition(Partition):
         self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
     ) -> list[np.ndarray]:
         n = len(labels)
-        if num_clients * self.min_size > n:
-            raise ConfigError(
-                f"{KEY}.min_size: {num_clients} clients x min_size {self.min_size} exceeds the "
-                f"{n} samples; lower data.num_clients or {KEY}.min_size"
-            )
+        _check_min_size(num_clients, self.min_size, n)
         weights = rng.lognormal(0.0, self.sigma, num_clients)
         sizes = self.min_size + round_preserving_sum(weights, n - num_clients * self.min_size)
         return split_by_sizes(rng.permutation(n), sizes)
@@ -216,8 +278,44 @@ class RotationPartition(ShuffledPartition):
     def angle(self, client: int) -> float:
         return float(self.angles[client % len(self.angles)])
 
-    def transform(self, x: torch.Tensor, client: int) -> torch.Tensor:
+    def transform(
+        self, x: torch.Tensor, client: int, num_clients: int = 1, seed: int = 0
+    ) -> torch.Tensor:
         if x.ndim != 4:
             raise ConfigError(f"{KEY}.kind: 'rotation' needs image data (n, C, H, W)")
         degrees = self.angle(client)
         return x if degrees % 360 == 0 else rotate_images(x, degrees)
+
+
+@PARTITIONS.register("noise")
+class NoisePartition(ShuffledPartition):
+    """Feature skew: an IID split where client k's features (train and test) get Gaussian
+    noise of standard deviation ``sigma * k / (N - 1)``, from 0 for client 0 to ``sigma`` for
+    the last one.
+
+    Li, Diao, Chen & He, "Federated Learning on Non-IID Data Silos: An Experimental Study",
+    ICDE 2022, Sec. IV-B, noise-based feature imbalance (the paper writes Gau(sigma i / N) for
+    party i = 1..N; its code, used here, gives party k = 0..N-1 the standard deviation
+    sigma k / (N - 1)). The noise is added once, on the [0, 1] scale, from the stream (seed,
+    'partition/noise', client): fixed per sample, where that code draws it afresh each time a
+    sample is loaded.
+    """
+
+    kind: Literal["noise"] = "noise"
+    sigma: float = Field(0.1, ge=0, allow_inf_nan=False)
+    needs_images: ClassVar[bool] = True
+
+    def level(self, client: int, num_clients: int) -> float:
+        """Client ``client``'s noise standard deviation."""
+        return self.sigma * client / (num_clients - 1) if num_clients > 1 else 0.0
+
+    def transform(
+        self, x: torch.Tensor, client: int, num_clients: int = 1, seed: int = 0
+    ) -> torch.Tensor:
+        if not x.dtype.is_floating_point:
+            raise ConfigError(f"{KEY}.kind: 'noise' needs real-valued features, got {x.dtype}")
+        std = self.level(client, num_clients)
+        if std == 0.0:
+            return x
+        gen = generator(seed, "partition/noise", client=client)
+        return x + std * torch.randn(x.shape, generator=gen, dtype=x.dtype)

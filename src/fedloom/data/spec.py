@@ -51,5 +51,16 @@ class DatasetSpec:
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset", "data.name")
 
-IMAGE_PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "rotation")
+IMAGE_PARTITIONS = (
+    "iid",
+    "dirichlet",
+    "shards",
+    "quantity",
+    "rotation",
+    "noise",
+    "pathological",
+    "extended_dirichlet",
+    "file",
+)
+"""The partitions of the pooled image datasets (federate_pool); ``file`` reads a partition.json."""
 NATURAL = ("natural",)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fedloom.config import AsynchronyConfig, RunConfig, SpeedsConfig
+from fedloom.config import RunConfig
 from fedloom.core import pytree
 from fedloom.core.mechanism import ServerStep
 from fedloom.core.protocol import ClientResult, ClientTask, Message
@@ -48,6 +48,7 @@ from fedloom.engine.pipeline import RoundPipeline, SyncRounds
 from fedloom.engine.sampling import sample_clients
 from fedloom.engine.shell import due
 from fedloom.engine.state import RoundReport, RunState
+from fedloom.run_config.asynchrony import AsynchronyConfig, SpeedsConfig
 
 CLOCK = "clock"
 """Metrics rows' and summary.json's key of the virtual time."""
@@ -174,9 +175,9 @@ class AsyncServer(Callback):
     @staticmethod
     def task(pipeline: RoundPipeline, job: Job) -> ClientTask:
         """The work order ``job`` ran (its minibatch plan made again from its stream)."""
-        c, data = job.client, pipeline.training.data[job.client]
-        plan = pipeline.algorithm.ctx.make_plan(data, job.steps, "batches", job.event, c)
-        return ClientTask(c, data, plan, pipeline.config.train.lr, job.event, full=job.steps)
+        c, data, lr = job.client, pipeline.training.data[job.client], pipeline.config.train.lr
+        make_plan = pipeline.algorithm.ctx.make_plan
+        return ClientTask.order(c, data, lr, job.event, make_plan, job.steps, full=job.steps)
 
     def dispatch(self, pipeline: RoundPipeline, state: RunState) -> None:
         """Fill the free slots with idle clients, sent the current model; they go through the

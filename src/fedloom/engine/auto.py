@@ -38,7 +38,6 @@ from typing import Any
 from torch import nn
 
 from fedloom.algorithms.base import Algorithm
-from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -49,6 +48,7 @@ from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import SMALL_STEP_MACS, macs_per_sample, torch_threads
 from fedloom.engine.vectorized import VectorizedExecutor
 from fedloom.errors import ConfigError
+from fedloom.run_config.executor import ExecutorConfig
 from fedloom.solvers.program import ClientProgram
 
 

@@ -18,6 +18,7 @@ from fedloom.core import pytree
 from fedloom.core.files import one_line
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
+from fedloom.data.augment import Augmenter
 from fedloom.data.federated import FederatedData
 from fedloom.data.missing import hide_features
 from fedloom.data.validation import hold_out_validation
@@ -37,7 +38,7 @@ from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.contribution import ContributionAndIncentives
 from fedloom.engine.executor import Executor
 from fedloom.engine.factory import make_executor
-from fedloom.engine.mechanisms import Aggregator, Mechanisms, UploadTransform
+from fedloom.engine.mechanisms import Mechanisms, UploadTransform
 from fedloom.engine.pipeline import RoundPipeline, Schedule
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import TrainingClients
@@ -132,7 +133,6 @@ def build_parts(
     module: FedModel,
     progress: bool = False,
     upload_transforms: list[UploadTransform] | None = None,
-    aggregator: Aggregator = pytree.weighted_average,
     callbacks: list[Callback] | None = None,
 ) -> EngineParts:
     """The parts of a run of ``module`` on ``data`` under ``config``; ``callbacks`` run after
@@ -151,7 +151,7 @@ def build_parts(
     extra = [incentives] if incentives is not None else []
     mechanisms = Mechanisms(config, held.data, module, train_ids, extra)
     transforms = list(upload_transforms or [])
-    algorithm = make_algorithm(config, model, held.data, mechanisms, train_ids, aggregator)
+    algorithm = make_algorithm(config, model, held.data, mechanisms, train_ids)
     training = TrainingClients.view(
         mechanisms.data,
         train_ids,
@@ -200,7 +200,6 @@ def make_algorithm(
     data: FederatedData,
     mechanisms: Mechanisms,
     train_ids: list[int],
-    aggregator: Aggregator,
 ) -> Algorithm:
     """The configured algorithm (a PEFT strategy with its own server step, docs/peft.md, else
     the named one) with the mechanisms' aggregation rule and sample-level DP."""
@@ -211,8 +210,13 @@ def make_algorithm(
         num_clients=data.num_clients,
         lr=train.lr,
         batch_size=train.batch_size,
-        aggregate=mechanisms.aggregator(aggregator),
-        make_plan=PlanMaker(config.seed, train.batch_size, poisson=sample_dp is not None),
+        aggregate=mechanisms.aggregator(pytree.weighted_average),
+        make_plan=PlanMaker(
+            config.seed,
+            train.batch_size,
+            poisson=sample_dp is not None,
+            augment=Augmenter.of(data.augment, config.seed, data.input_shape),
+        ),
         rounds=train.rounds,
         population={c: data.clients[c].num_train for c in train_ids},
         sample_dp=sample_dp.dpsgd if sample_dp is not None else None,

@@ -7,7 +7,7 @@ and returns the metrics and summary.json entries it adds (the contract: engine/c
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from fedloom.engine.monitoring import (
     feature_js,
     gradient_dissimilarity,
     label_kl,
+    test_samples,
     update_statistics,
 )
 from fedloom.engine.progress import RoundProgress
@@ -71,35 +72,59 @@ class Evaluation(Callback):
         for key, ids in (("personalized", ctx.train_ids), ("new_clients", ctx.new_ids)):
             if not ids:
                 continue
-            counts: list[EvalCounts | None] = []
-            pending: list[tuple[int, tuple[pytree.Tree, pytree.Tree]]] = []
-            known = [state.clients.get(c) if c in state.clients else None for c in ids]
-            states = [
-                s if s is not None else algorithm.init_client_state(server, c)
-                for c, s in zip(ids, known, strict=True)
-            ]
-            tasks = [ClientTask(c, data.clients[c], [], ctx.config.train.lr, round) for c in ids]
-            models = ctx.executor.deployed_models(algorithm, server, states, tasks)
+            models = self.deployed_models(ctx, state, ids, round)
             for cid, (params, buffers) in zip(ids, models, strict=True):
                 deployed[cid] = {**params, **buffers}
-                if global_model is not None and params is global_model[0]:
-                    counts.append(global_counts[cid])  # deploys the global model: evaluated
-                else:
-                    counts.append(None)
-                    pending.append((len(counts) - 1, (params, buffers)))
-            if pending:
-                evaluated = ctx.executor.evaluate(
-                    [m for _, m in pending], [data.clients[ids[i]] for i, _ in pending], batch
-                )
-                for (i, _), c in zip(pending, evaluated, strict=True):
-                    counts[i] = c
-            done = [c for c in counts if c is not None]
+            done = self.client_counts(ctx, ids, models, global_model, global_counts)
             row[key] = client_quantiles(done, classification)
             if key == "personalized" and classification:
                 row["client_accuracy"] = [c.accuracy if c.n else None for c in done]
         if ctx.validation is not None:
             row["validation"] = self.validate(ctx, global_model, deployed)
         return row, deployed
+
+    @staticmethod
+    def deployed_models(
+        ctx: RunContext, state: RunState, ids: Sequence[int], round: int
+    ) -> list[tuple[pytree.Tree, pytree.Tree]]:
+        """The (params, buffers) each of ``ids`` deploys; a client that never trained starts
+        from the algorithm's initial client state."""
+        algorithm, server, data = ctx.algorithm, state.server, ctx.data
+        known = [state.clients.get(c) if c in state.clients else None for c in ids]
+        states = [
+            s if s is not None else algorithm.init_client_state(server, c)
+            for c, s in zip(ids, known, strict=True)
+        ]
+        tasks = [ClientTask.order(c, data.clients[c], ctx.config.train.lr, round) for c in ids]
+        return ctx.executor.deployed_models(algorithm, server, states, tasks)
+
+    @staticmethod
+    def client_counts(
+        ctx: RunContext,
+        ids: Sequence[int],
+        models: list[tuple[pytree.Tree, pytree.Tree]],
+        global_model: tuple[pytree.Tree, pytree.Tree] | None,
+        global_counts: list[EvalCounts],
+    ) -> list[EvalCounts]:
+        """Each client's deployed model on its own test data; a client that deploys the global
+        model itself reuses the global model's evaluation on that client."""
+        counts: list[EvalCounts | None] = []
+        pending: list[tuple[int, tuple[pytree.Tree, pytree.Tree]]] = []
+        for cid, (params, buffers) in zip(ids, models, strict=True):
+            if global_model is not None and params is global_model[0]:
+                counts.append(global_counts[cid])
+            else:
+                counts.append(None)
+                pending.append((len(counts) - 1, (params, buffers)))
+        if pending:
+            evaluated = ctx.executor.evaluate(
+                [m for _, m in pending],
+                [ctx.data.clients[ids[i]] for i, _ in pending],
+                ctx.config.eval.batch_size,
+            )
+            for (i, _), c in zip(pending, evaluated, strict=True):
+                counts[i] = c
+        return [c for c in counts if c is not None]
 
     @staticmethod
     def validate(
@@ -134,9 +159,9 @@ class Evaluation(Callback):
 
 
 class HealthMonitor(Callback):
-    """Training health (docs/monitoring.md; engine/monitoring.py): the clients' label KL and
-    feature JS once (heterogeneity.json), and on evaluated rounds the update statistics and
-    the gradient dissimilarity zeta^2 of the global model."""
+    """Training health (docs/monitoring.md; engine/monitoring.py): the clients' label KL,
+    feature JS and test-set sizes once (heterogeneity.json), and on evaluated rounds the update
+    statistics and the gradient dissimilarity zeta^2 of the global model."""
 
     def __init__(self) -> None:
         self.heterogeneity: dict[str, Any] | None = None
@@ -144,7 +169,10 @@ class HealthMonitor(Callback):
 
     def on_run_start(self, ctx: RunContext, state: RunState) -> None:
         clients = dict(enumerate(ctx.data.clients))
-        report: dict[str, Any] = {"feature_js": feature_js(clients)}
+        report: dict[str, Any] = {
+            "feature_js": feature_js(clients),
+            "test_samples": test_samples(clients),
+        }
         if ctx.data.task == "classification":
             report["label_kl"] = label_kl(clients, ctx.data.num_outputs)
         if ctx.run_dir is not None:

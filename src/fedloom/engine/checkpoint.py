@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,55 +89,75 @@ class _Encoder:
         kind = type(value)
         if value is None or kind in (bool, int, str):
             return value
-        if kind is float:
-            return value if math.isfinite(value) else {"$float": repr(value)}
-        if kind is list:
-            return [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]
-        if kind is dict:
-            if all(_is_plain_key(k) for k in value):
-                return {k: self.encode(v, (*path, k)) for k, v in value.items()}
-            return {
-                "$dict": [
-                    [self.encode(k, (*path, "$key")), self.encode(v, (*path, str(k)))]
-                    for k, v in value.items()
-                ]
-            }
-        if kind is tuple:
-            return {"$tuple": [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]}
-        if isinstance(value, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
-            ref: dict[str, Any] = {"$tensor": self.tensor(value, path)}
-            if kind is torch.nn.Parameter:
-                ref["parameter"] = True
-            if value.requires_grad:
-                ref["requires_grad"] = True
-            if value.device.type != "cpu":
-                ref["device"] = str(value.device)
-            return ref
-        if kind is np.ndarray:
-            if value.dtype.hasobject:
-                raise TypeError(f"checkpoint: numpy object array at {'/'.join(path)}")
-            return {"$ndarray": self.tensor(torch.from_numpy(np.ascontiguousarray(value)), path)}
+        method = _ENCODE_BY_TYPE.get(kind)
+        if method is not None:
+            return method(self, value, path)
         if isinstance(value, np.generic) and not value.dtype.hasobject:
             return {"$npscalar": value.dtype.str, "value": self.encode(value.item(), path)}
-        if kind is torch.Generator:
-            state = self.tensor(value.get_state(), path)
-            return {"$generator": state, "device": str(value.device)}
-        if kind is torch.dtype:
-            return {"$dtype": str(value).removeprefix("torch.")}
-        if kind is torch.Size:
-            return {"$size": list(value)}
-        if kind is torch.device:
-            return {"$device": str(value)}
-        if kind in (set, frozenset):
-            tag = "$set" if kind is set else "$frozenset"
-            return {tag: [self.encode(v, (*path, "$item")) for v in value]}
-        if kind is bytes:
-            return {"$bytes": base64.b64encode(value).decode("ascii")}
         raise TypeError(
             f"checkpoint: cannot store a {kind.__module__}.{kind.__qualname__} at "
             f"{'/'.join(path) or '(root)'}; state must be tensors, numpy arrays, numbers, "
             "strings, None, bools and lists/tuples/sets/dicts of them"
         )
+
+    def items(self, values: Any, path: tuple[str, ...]) -> list[Any]:
+        """The members of a list or tuple, each under its index."""
+        return [self.encode(v, (*path, str(i))) for i, v in enumerate(values)]
+
+    def mapping(self, value: dict[Any, Any], path: tuple[str, ...]) -> Any:
+        """A plain JSON object when every key is a str not starting with ``$``, else pairs."""
+        if all(_is_plain_key(k) for k in value):
+            return {k: self.encode(v, (*path, k)) for k, v in value.items()}
+        return {
+            "$dict": [
+                [self.encode(k, (*path, "$key")), self.encode(v, (*path, str(k)))]
+                for k, v in value.items()
+            ]
+        }
+
+    def collection(self, value: set[Any] | frozenset[Any], path: tuple[str, ...]) -> Any:
+        tag = "$set" if type(value) is set else "$frozenset"
+        return {tag: [self.encode(v, (*path, "$item")) for v in value]}
+
+    def tensor_ref(self, value: torch.Tensor, path: tuple[str, ...]) -> dict[str, Any]:
+        """A reference to the stored tensor, with what the tensor file does not keep."""
+        ref: dict[str, Any] = {"$tensor": self.tensor(value, path)}
+        if type(value) is torch.nn.Parameter:
+            ref["parameter"] = True
+        if value.requires_grad:
+            ref["requires_grad"] = True
+        if value.device.type != "cpu":
+            ref["device"] = str(value.device)
+        return ref
+
+    def ndarray(self, value: np.ndarray, path: tuple[str, ...]) -> dict[str, Any]:
+        if value.dtype.hasobject:
+            raise TypeError(f"checkpoint: numpy object array at {'/'.join(path)}")
+        return {"$ndarray": self.tensor(torch.from_numpy(np.ascontiguousarray(value)), path)}
+
+    def generator(self, value: torch.Generator, path: tuple[str, ...]) -> dict[str, Any]:
+        return {"$generator": self.tensor(value.get_state(), path), "device": str(value.device)}
+
+
+_Encode = Callable[[_Encoder, Any, tuple[str, ...]], Any]
+
+# how each type (matched exactly, not by subclass) is written; see :func:`decode` for the reverse
+_ENCODE_BY_TYPE: dict[type, _Encode] = {
+    float: lambda _, v, __: v if math.isfinite(v) else {"$float": repr(v)},
+    list: _Encoder.items,
+    tuple: lambda enc, v, path: {"$tuple": enc.items(v, path)},
+    dict: _Encoder.mapping,
+    set: _Encoder.collection,
+    frozenset: _Encoder.collection,
+    torch.Tensor: _Encoder.tensor_ref,
+    torch.nn.Parameter: _Encoder.tensor_ref,
+    np.ndarray: _Encoder.ndarray,
+    torch.Generator: _Encoder.generator,
+    torch.dtype: lambda _, v, __: {"$dtype": str(v).removeprefix("torch.")},
+    torch.Size: lambda _, v, __: {"$size": list(v)},
+    torch.device: lambda _, v, __: {"$device": str(v)},
+    bytes: lambda _, v, __: {"$bytes": base64.b64encode(v).decode("ascii")},
+}
 
 
 def encode(payload: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -155,6 +176,56 @@ def _restore_device(tensor: torch.Tensor, device: str | None) -> torch.Tensor:
     return tensor.to(target)
 
 
+def _decode_tensor(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    value = _restore_device(tensors[tree["$tensor"]], tree.get("device"))
+    if tree.get("parameter"):
+        return torch.nn.Parameter(value, requires_grad=bool(tree.get("requires_grad")))
+    return value.requires_grad_() if tree.get("requires_grad") else value
+
+
+def _decode_npscalar(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> np.generic:
+    dtype = np.dtype(tree["$npscalar"])
+    if dtype.hasobject:
+        raise ValueError(f"numpy scalar of object dtype {tree['$npscalar']!r}")
+    return dtype.type(decode(tree["value"], tensors))
+
+
+def _decode_generator(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> torch.Generator:
+    generator = torch.Generator(tree["device"])
+    generator.set_state(tensors[tree["$generator"]])
+    return generator
+
+
+def _decode_dtype(body: str) -> torch.dtype:
+    dtype = getattr(torch, body)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {body!r}")
+    return dtype
+
+
+_Decode = Callable[[Any, dict[str, torch.Tensor]], Any]
+
+# tags whose value needs the rest of the tagged object (its flags) get the whole object
+_DECODE_TAGGED: dict[str, Callable[[dict[str, Any], dict[str, torch.Tensor]], Any]] = {
+    "$tensor": _decode_tensor,
+    "$npscalar": _decode_npscalar,
+    "$generator": _decode_generator,
+}
+# the others get only the tag's value
+_DECODE_BODY: dict[str, _Decode] = {
+    "$float": lambda body, _: float(body),
+    "$dict": lambda body, t: {decode(k, t): decode(v, t) for k, v in body},
+    "$tuple": lambda body, t: tuple(decode(v, t) for v in body),
+    "$ndarray": lambda body, t: t[body].numpy(),
+    "$dtype": lambda body, _: _decode_dtype(body),
+    "$size": lambda body, _: torch.Size(body),
+    "$device": lambda body, _: torch.device(body),
+    "$set": lambda body, t: {decode(v, t) for v in body},
+    "$frozenset": lambda body, t: frozenset(decode(v, t) for v in body),
+    "$bytes": lambda body, _: base64.b64decode(body, validate=True),
+}
+
+
 def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """The inverse of :func:`encode`; raises ``KeyError``/``ValueError`` on a malformed tree."""
     if isinstance(tree, list):
@@ -167,44 +238,10 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if len(tags) != 1:
         raise ValueError(f"ambiguous tags {tags}")
     tag = tags[0]
-    body = tree[tag]
-    if tag == "$tensor":
-        value = _restore_device(tensors[body], tree.get("device"))
-        if tree.get("parameter"):
-            return torch.nn.Parameter(value, requires_grad=bool(tree.get("requires_grad")))
-        return value.requires_grad_() if tree.get("requires_grad") else value
-    if tag == "$float":
-        return float(body)
-    if tag == "$dict":
-        return {decode(k, tensors): decode(v, tensors) for k, v in body}
-    if tag == "$tuple":
-        return tuple(decode(v, tensors) for v in body)
-    if tag == "$ndarray":
-        return tensors[body].numpy()
-    if tag == "$npscalar":
-        dtype = np.dtype(body)
-        if dtype.hasobject:
-            raise ValueError(f"numpy scalar of object dtype {body!r}")
-        return dtype.type(decode(tree["value"], tensors))
-    if tag == "$generator":
-        generator = torch.Generator(tree["device"])
-        generator.set_state(tensors[body])
-        return generator
-    if tag == "$dtype":
-        dtype = getattr(torch, body)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {body!r}")
-        return dtype
-    if tag == "$size":
-        return torch.Size(body)
-    if tag == "$device":
-        return torch.device(body)
-    if tag == "$set":
-        return {decode(v, tensors) for v in body}
-    if tag == "$frozenset":
-        return frozenset(decode(v, tensors) for v in body)
-    if tag == "$bytes":
-        return base64.b64decode(body, validate=True)
+    if tag in _DECODE_TAGGED:
+        return _DECODE_TAGGED[tag](tree, tensors)
+    if tag in _DECODE_BODY:
+        return _DECODE_BODY[tag](tree[tag], tensors)
     raise ValueError(f"unknown tag {tag!r}")
 
 

@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from fedloom.config import AsynchronyConfig, SpeedsConfig
 from fedloom.core.rng import NO_ID, generator
 from fedloom.engine.workload import per_client_value
+from fedloom.run_config.asynchrony import AsynchronyConfig, SpeedsConfig
 
 
 def staleness_weight(kind: str, staleness: int, a: float, b: float) -> float:

@@ -76,9 +76,13 @@ def _stacked_counts(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     lr, round, eval_batch_size = setup.lr, setup.round, setup.eval_batch_size
     model, ctx = algorithm.ctx.model, algorithm.ctx
     datas = list(clients.values())
-    tasks = [ClientTask(cid, data, [], lr, round) for cid, data in clients.items()]
+    tasks = [ClientTask.order(cid, data, lr, round) for cid, data in clients.items()]
     starts = [algorithm.new_client_model(server, t) for t in tasks]
     plans = [ctx.make_plan(t.data, steps[-1], "adapt", round, t.client_id) for t in tasks]
+    augments = [
+        ctx.make_plan.augmentation(p, "adapt", round, t.client_id)
+        for p, t in zip(plans, tasks, strict=True)
+    ]
     seen: dict[int, list[EvalCounts | None]] = {}
 
     def record(done: int, part: range, params: Tree) -> None:
@@ -94,7 +98,14 @@ def _stacked_counts(setup: Adaptation) -> dict[int, list[EvalCounts]]:
                 row[i] = counts[j]
 
     finetune_stacked(
-        model, starts, datas, plans, lr, trainable=algorithm.adaptation_keys(), on_step=record
+        model,
+        starts,
+        datas,
+        plans,
+        lr,
+        trainable=algorithm.adaptation_keys(),
+        on_step=record,
+        augments=augments,
     )
     # a client past the end of its plan (no training data) keeps its last model
     out: dict[int, list[EvalCounts]] = {}
@@ -114,7 +125,7 @@ def _counts_one_at_a_time(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     model = algorithm.ctx.model
     per_step: dict[int, list[EvalCounts]] = {s: [] for s in steps}
     for cid, data in clients.items():
-        task = ClientTask(cid, data, [], lr, round)
+        task = ClientTask.order(cid, data, lr, round)
         params, buffers = algorithm.new_client_model(server, task)
 
         def record(done: int, params: Tree, buffers: Tree, data: ClientData = data) -> None:
@@ -138,6 +149,7 @@ def _counts_one_at_a_time(setup: Adaptation) -> dict[int, list[EvalCounts]]:
                 plan,
                 lr,
                 trainable=algorithm.adaptation_keys(),
+                augment=algorithm.ctx.make_plan.augmentation(plan, "adapt", round, cid),
                 on_step=lambda done, lean, record=record: (
                     record(done, lean.params(), lean.buffers_copy()) if done in per_step else None
                 ),

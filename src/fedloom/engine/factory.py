@@ -5,7 +5,6 @@ config was checked when it was parsed (config.ExecutorConfig)."""
 
 from __future__ import annotations
 
-from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
 from fedloom.engine.auto import AutoExecutor
 from fedloom.engine.executor import Executor
@@ -13,6 +12,7 @@ from fedloom.engine.processes import MultiprocessExecutor
 from fedloom.engine.ray_executor import RayExecutor
 from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.vectorized import VectorizedExecutor
+from fedloom.run_config.executor import ExecutorConfig
 
 
 def make_executor(config: ExecutorConfig, model: FunctionalModel) -> Executor:

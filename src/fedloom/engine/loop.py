@@ -15,14 +15,13 @@ from typing import Any
 import torch
 
 from fedloom.config import RunConfig
-from fedloom.core import pytree
 from fedloom.core.files import one_line
 from fedloom.core.protocol import ClientTask
 from fedloom.data.federated import FederatedData
 from fedloom.engine.build import EngineParts, build_parts
 from fedloom.engine.context import Callback, RunContext, merge
 from fedloom.engine.executor import Executor
-from fedloom.engine.mechanisms import Aggregator, UploadTransform
+from fedloom.engine.mechanisms import UploadTransform
 from fedloom.engine.nonfinite import warn_all_dropped
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.shell import base_summary, checkpoint_payload, note_finished
@@ -59,14 +58,11 @@ class Engine(EngineParts):
         run_dir: RunDir | None = None,
         progress: bool = False,
         upload_transforms: list[UploadTransform] | None = None,
-        aggregator: Aggregator = pytree.weighted_average,
         callbacks: list[Callback] | None = None,
     ) -> None:
         """``callbacks`` run after the built-in evaluation, monitoring and privacy accounting
         and before the metrics log and checkpoints (engine/build.py, default_callbacks)."""
-        parts = build_parts(
-            config, data, module, progress, upload_transforms, aggregator, callbacks
-        )
+        parts = build_parts(config, data, module, progress, upload_transforms, callbacks)
         super().__init__(**vars(parts))
         self.run_dir = run_dir
         self.progress = progress
@@ -129,6 +125,8 @@ class Engine(EngineParts):
                 ctx = self.context()
                 for callback in self.callbacks:
                     callback.on_failure(ctx)
+                if self.run_dir is not None:  # a failed run writes no more: free to resume
+                    self.run_dir.release()
                 raise
             finally:
                 self.executor.close()

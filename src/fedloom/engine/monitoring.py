@@ -20,6 +20,8 @@ the round's reporting clients and the server's model:
 Once per run, from the partition (heterogeneity of the data itself):
 
 - label-distribution KL(P_k || P) of each client's label distribution to the pooled one (nats);
+- each client's number of test samples (``test_samples``), which the accuracy-collapse alert
+  needs (docs/monitoring.md, "Alerts": a client with 5 test samples moves 20 points per sample);
 - feature-distribution Jensen–Shannon divergence (base 2, in [0, 1]) of each client's input
   value histogram to the pooled one (32 bins over the pooled range for real-valued inputs,
   token counts for integer inputs): cheap and model-free.
@@ -156,6 +158,11 @@ def label_kl(clients: dict[int, ClientData], num_classes: int) -> dict[str, floa
         mask = p > 0
         out[str(c)] = float((p[mask] * (p[mask] / pooled[mask]).log()).sum())
     return out
+
+
+def test_samples(clients: dict[int, ClientData]) -> dict[str, int]:
+    """Each client's number of test samples (what its personalized accuracy is measured on)."""
+    return {str(c): d.num_test for c, d in clients.items()}
 
 
 def _js_bits(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from fedloom.config import TrainConfig
 from fedloom.core.protocol import ClientResult, ClientTask
 from fedloom.errors import FedloomInputError
+from fedloom.run_config.train import TrainConfig
 
 
 class DivergenceError(FedloomInputError):

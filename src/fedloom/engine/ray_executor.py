@@ -15,13 +15,12 @@ import contextlib
 import logging
 import os
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fedloom.algorithms.base import Algorithm
-from fedloom.config import ExecutorConfig
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -31,6 +30,7 @@ from fedloom.engine.scheduling import balanced_groups
 from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import set_worker_threads
 from fedloom.errors import ConfigError
+from fedloom.run_config.executor import ExecutorConfig
 
 MIN_OBJECT_STORE = 256 * 1024**2
 """Object store of a Ray runtime the executor starts itself (grown to fit the data)."""
@@ -61,17 +61,6 @@ def compact(obj: Any) -> Any:
 
 def compact_client(c: ClientData) -> ClientData:
     return ClientData(compact(c.x_train), compact(c.y_train), compact(c.x_test), compact(c.y_test))
-
-
-@dataclass(frozen=True)
-class LightTask:
-    """A ClientTask without its data: the worker looks the data up by ``client_id``."""
-
-    client_id: int
-    plan: list[torch.Tensor]
-    lr: float
-    round: int
-    full: int | None = None
 
 
 class RayWorker:
@@ -125,15 +114,12 @@ class RayWorker:
         self,
         boxed_algorithm: list[Any],
         message: Message,
-        tasks: list[LightTask],
+        tasks: list[ClientTask],
         states: list[State | None],
     ) -> tuple[str, list[ClientResult]]:
         """Run one group of client updates; returns (node id, results in task order)."""
         algorithm, inner = self._load(boxed_algorithm)
-        full = [
-            ClientTask(t.client_id, self.clients[t.client_id], t.plan, t.lr, t.round, t.full)
-            for t in tasks
-        ]
+        full = [replace(t, data=self.clients[t.client_id]) for t in tasks]
         results = inner.run_round(algorithm, message, full, states)
         return self.node_id, [
             replace(r, upload=compact(r.upload), state=compact(r.state)) for r in results
@@ -302,7 +288,7 @@ class RayExecutor:
                 raise RuntimeError(
                     f"client {t.client_id}'s data was not given to RayExecutor.prepare()"
                 )
-            light.append(LightTask(t.client_id, compact(t.plan), t.lr, t.round, t.full))
+            light.append(replace(t, data=None, plan=compact(t.plan)))  # the worker has the data
         groups = balanced_groups([max(1, len(t.plan)) for t in tasks], len(self.actors))
         futures = [
             actor.run.remote(

@@ -1,15 +1,21 @@
 """The run directory (README.md, "Run directory"): config.yaml, metrics.jsonl, summary.json,
 report.html, label_histogram.json and checkpoints/. A run never writes into another run's
-directory."""
+directory, and one process at a time writes a run directory: the writer holds an exclusive
+lock on RUN/.lock (:class:`RunLock`) from creating the directory, or opening it to resume,
+until the run ends (docs/architecture.md, "Run directory lock")."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import time
 import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,155 @@ from fedloom.engine.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from fedloom.errors import RunDirError
+from fedloom.errors import RunDirError, RunDirLocked
+
+LOCK_FILE = ".lock"
+"""RUN/.lock: the file the writing process holds its flock on (its PID inside, for messages)."""
+LOCK_TRIES = 5
+"""Non-blocking attempts, 20 ms apart, before a lock counts as held: a reader's probe
+(``lock_holder``) holds it for microseconds."""
+
+
+class RunLock:
+    """An exclusive ``flock(2)`` on RUN/.lock, held by the one process that writes the run
+    directory. The kernel drops a process's flock when it dies, so a run killed outright
+    (``kill -9``, out of memory) leaves nothing stale: no PID file is checked.
+
+    The descriptor is not inherited: it is closed on exec (``os.open``'s O_CLOEXEC, so Ray's
+    processes and other spawned programs never get it), and in a child forked without exec
+    (the processes executor's workers) it is closed right after the fork (``_close_in_child``):
+    a flock belongs to the open file, which a forked child would share, keeping the lock
+    after the parent died. The child only closes its copy (an unlock there would release the
+    parent's)."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd: int | None = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, run_path: Path) -> RunLock:
+        """The lock of the run directory ``run_path`` (which exists), or ``RunDirLocked``
+        naming the process that holds it."""
+        path = run_path / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunDirError(f"cannot write to run directory {run_path}: {err.strerror}") from None
+        for attempt in range(LOCK_TRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == LOCK_TRIES - 1:
+                    pid = _read_pid(path)
+                    os.close(fd)
+                    raise _locked(run_path, pid) from None
+                time.sleep(0.02)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        lock = cls(fd, path)
+        _HELD[fd] = lock
+        scope = _SCOPE.get()
+        if scope is not None:
+            scope.append(lock)
+        return lock
+
+    def release(self) -> None:
+        """Unlock and close (idempotent). The file stays: removing it would let a process that
+        opened it before the removal lock a file no one else can see."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        _HELD.pop(fd, None)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+_HELD: dict[int, RunLock] = {}
+"""The locks this process holds, by descriptor (closed in forked children)."""
+_SCOPE: ContextVar[list[RunLock] | None] = ContextVar("fedloom_run_locks", default=None)
+
+
+def _close_in_child() -> None:
+    for fd, lock in list(_HELD.items()):
+        lock.fd = None  # the child's object must not unlock the parent's lock later
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+@contextlib.contextmanager
+def releasing_locks() -> Iterator[None]:
+    """Release, at the end, every run-directory lock taken inside (``fedloom.run``: a run that
+    fails frees its directory at once, for a resume in the same process)."""
+    taken: list[RunLock] = []
+    token = _SCOPE.set(taken)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+        for lock in taken:
+            lock.release()
+
+
+def _read_pid(path: Path) -> int | None:
+    """The PID written in a lock file (None if unreadable: a writer between lock and write)."""
+    for _ in range(LOCK_TRIES):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            return None
+        if text.isdigit():
+            return int(text)
+        time.sleep(0.02)
+    return None
+
+
+def _locked(run_path: Path, pid: int | None) -> RunDirLocked:
+    who = "this process" if pid == os.getpid() else f"process {pid}" if pid else "a process"
+    return RunDirLocked(
+        f"run directory {run_path} is being written by {who} (it holds {run_path / LOCK_FILE}); "
+        "two runs in one directory would corrupt it: wait for that run to end, or stop it "
+        "and resume with --resume",
+        pid,
+    )
+
+
+def lock_holder(run_path: str | Path) -> int | None:
+    """The PID of the process writing ``run_path`` (0 when its PID is unreadable), or None
+    when no process holds its lock. Only reads: no lock file is created."""
+    path = Path(run_path) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_pid(path) or 0
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def refuse_if_written(run_path: str | Path, what: str) -> None:
+    """``RunDirLocked`` when a process is writing ``run_path``: ``what`` (a reader that needs a
+    finished run, e.g. the audit, whose checkpoints the writer may prune under it) waits for
+    the run's end."""
+    holder = lock_holder(run_path)
+    if holder is not None:
+        who = f"process {holder}" if holder else "a process"
+        raise RunDirLocked(
+            f"run directory {run_path} is being written by {who}: {what} it when that run has "
+            "ended",
+            holder or None,
+        )
 
 
 def default_run_dir(algorithm: str, dataset: str, base: str | Path = "runs") -> Path:
@@ -71,8 +225,10 @@ class ConfigDriftWarning(UserWarning):
 
 
 class RunDir:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, lock: RunLock | None = None) -> None:
         self.path = Path(path)
+        self.lock = lock
+        """The writer's lock (``create``, ``open_for_writing``); None for a reader."""
         self.config: dict[str, Any] | None = None
         """The resolved config the run is under (set when config.yaml is written, or by the
         resume that read it): each checkpoint records it and its hash."""
@@ -82,30 +238,61 @@ class RunDir:
     # -- creation -------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str | Path) -> RunDir:
-        """A new, empty run directory; refuses an existing non-empty one."""
+        """A new, empty run directory, locked for this process; refuses an existing non-empty
+        one (``RunDirLocked`` when another process is writing it)."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise RunDirError(
-                f"output directory {path} already exists and is not empty; a run never "
-                "overwrites another run: choose a new --out, or resume it with --resume"
-            )
+        cls.check_new(path)
         try:
-            (path / "checkpoints").mkdir(parents=True, exist_ok=True)
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunDirError(f"cannot write to output directory {path}: {err.strerror}") from None
+        lock = RunLock.acquire(path)
+        if _has_files(path):  # another run started here since the check, and has ended
+            lock.release()
+            raise _not_empty(path)
+        try:
+            (path / "checkpoints").mkdir(exist_ok=True)
             probe = path / ".write-test"
             probe.write_text("")
             probe.unlink()
         except OSError as err:
+            lock.release()
             raise RunDirError(f"cannot write to output directory {path}: {err.strerror}") from None
-        return cls(path)
+        return cls(path, lock)
+
+    @staticmethod
+    def check_new(path: str | Path) -> None:
+        """Refuse ``path`` as a new run's directory unless it is absent or empty (cheap: the
+        Python API checks before it loads data; ``create`` again under the lock)."""
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or _has_files(path)):
+            holder = lock_holder(path) if path.is_dir() else None
+            if holder is not None:
+                raise _locked(path, holder)
+            raise _not_empty(path)
 
     @classmethod
     def open_existing(cls, path: str | Path, accept_config_change: bool = False) -> RunDir:
+        """An existing run directory, to read (no lock: ``open_for_writing`` to write)."""
         path = Path(path)
         if not (path / "config.yaml").is_file():
             raise RunDirError(f"{path} is not a fedloom run directory (no config.yaml)")
         run_dir = cls(path)
         run_dir.accept_config_change = accept_config_change
         return run_dir
+
+    @classmethod
+    def open_for_writing(cls, path: str | Path, accept_config_change: bool = False) -> RunDir:
+        """An existing run directory to resume, locked for this process (``RunDirLocked``
+        naming the process that is writing it)."""
+        run_dir = cls.open_existing(path, accept_config_change)
+        run_dir.lock = RunLock.acquire(run_dir.path)
+        return run_dir
+
+    def release(self) -> None:
+        """Give up the writer's lock (the run has ended)."""
+        if self.lock is not None:
+            self.lock.release()
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -237,6 +424,18 @@ class RunDir:
                     "(accept_config_change=True) to continue under the new one"
                 )
             warnings.warn(f"resuming under a changed config: {what}", ConfigDriftWarning, 2)
+
+
+def _has_files(path: Path) -> bool:
+    """Whether the directory holds anything but a lock file."""
+    return any(p.name != LOCK_FILE for p in path.iterdir())
+
+
+def _not_empty(path: Path) -> RunDirError:
+    return RunDirError(
+        f"output directory {path} already exists and is not empty; a run never "
+        "overwrites another run: choose a new --out, or resume it with --resume"
+    )
 
 
 _CHECKPOINT_NAME = re.compile(r"round_(\d+)\..*")

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from fedloom.config import ServingConfig
 from fedloom.core import pytree
 from fedloom.core.files import strict_json
 from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.errors import ConfigError
+from fedloom.run_config.serving import ServingConfig
 
 if TYPE_CHECKING:
     from fedloom.engine.state import RoundReport, RunState

@@ -8,6 +8,8 @@ A family's runner supplies only its rounds: ``shell.resume()`` gives back the st
 ``shell.evaluates(done)`` says when to build a metrics row, ``shell.record(row)`` logs it, and
 ``shell.checkpoint(done, state)`` saves ``{"round", "state", "history", "wall_seconds"}``
 every ``checkpoint.every`` rounds and after the last (engine/checkpoint.py writes the files).
+The directory is locked for the process that writes it (engine/rundir.py, ``RunLock``): a
+second run of it, new or resumed, is refused while the first lives.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedloom.engine.rundir import RunDir, default_run_dir
+from fedloom.engine.rundir import releasing_locks as releasing_locks  # the families' runners
 from fedloom.errors import RunDirError
 
 
@@ -95,9 +98,10 @@ def open_for_resume(
     given: Any = None,
     accept_config_change: bool = False,
 ) -> tuple[RunDir, Any]:
-    """The run directory ``path`` and its parsed config.yaml; RunDirError when ``given`` (a
-    config to check against) differs from it."""
-    run_dir = RunDir.open_existing(path, accept_config_change)
+    """The run directory ``path``, locked for this process (``RunDirLocked`` when another one
+    writes it), and its parsed config.yaml; RunDirError when ``given`` (a config to check
+    against) differs from it."""
+    run_dir = RunDir.open_for_writing(path, accept_config_change)
     cfg = parse(run_dir.config_path)
     if given is not None and parse(given).to_dict() != cfg.to_dict():
         raise RunDirError(

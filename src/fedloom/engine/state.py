@@ -69,8 +69,7 @@ class RunState:
             elapsed=saved["elapsed"],
             dropped_nonfinite=saved.get("dropped_nonfinite", 0),
             executor_choice=saved.get("executor_choice"),
-            mechanisms=saved.get("mechanisms")
-            or ({"privacy": saved["privacy"]} if saved.get("privacy") else {}),  # before 0.2
+            mechanisms=saved.get("mechanisms") or {},
             asynchrony=AsyncState.from_dict(saved.get("asynchrony") or {}),
             serving=saved.get("serving") or {},
         )

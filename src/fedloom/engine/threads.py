@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fedloom.config import ExecutorConfig
+    from fedloom.run_config.executor import ExecutorConfig
 
 OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 """Variables that choose how idle OpenMP threads wait (GNU libgomp, Intel/LLVM libomp): if

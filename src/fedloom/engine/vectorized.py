@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from fedloom.algorithms.base import Algorithm
-from fedloom.config import parse_bytes
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -27,6 +26,7 @@ from fedloom.engine.memory import (
 )
 from fedloom.engine.metrics import EvalCounts
 from fedloom.errors import ConfigError
+from fedloom.run_config.executor import parse_bytes
 from fedloom.solvers.vmap import Arena, ChunkRunner, plan_steps, to_device
 
 

@@ -2,8 +2,8 @@
 
 A client's budget is ``train.local_steps`` steps, or ``train.local_epochs`` passes over its data
 cut into ``train.batch_size`` minibatches; either may be a fixed number or a
-:class:`~fedloom.config.WorkDistribution` drawn per client (and per round). On top of that a
-fraction ``train.stragglers`` of each round's clients straggle, as in the FedProx paper
+:class:`~fedloom.run_config.train.WorkDistribution` drawn per client (and per round). On top of
+that a fraction ``train.stragglers`` of each round's clients straggle, as in the FedProx paper
 (Li et al., MLSys 2020, section 5.2): with ``straggler_mode: partial`` a straggler completes a
 uniform draw from 1..S of its S steps; with ``drop`` it completes nothing and the server
 drops it (0 steps). Every draw comes from a seeded stream, so all executors and resumed runs
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from fedloom.config import TrainConfig, WorkDistribution
 from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.core.rng import NO_ID, generator
 from fedloom.errors import ConfigError
+from fedloom.run_config.train import TrainConfig, WorkDistribution
 from fedloom.solvers.local import PlanMaker, steps_per_epoch
 
 
@@ -123,7 +123,7 @@ def client_tasks(
     ]
     steps = straggler_steps(seed, round, clients, full, train.stragglers, train.straggler_mode)
     return [
-        ClientTask(c, d, make_plan(d, s, "batches", round, c), train.lr, round, full=f)
+        ClientTask.order(c, d, train.lr, round, make_plan, s, full=f)
         for c, d, s, f in zip(clients, chosen, steps, full, strict=True)
         if s > 0
     ]

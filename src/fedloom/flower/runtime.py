@@ -44,6 +44,9 @@ class ConfigSource:
     raw: dict[str, Any]
     data: DataFactory | None = None
     model: ModelFactory | None = None
+    written_in: str | None = "the config"
+    """Where ``raw`` was written; None for the embedded default experiment (an override of
+    its algorithm, dataset or partition replaces that choice's keys: config.apply_overrides)."""
 
     @classmethod
     def of(
@@ -52,12 +55,13 @@ class ConfigSource:
         data: DataFactory | None = None,
         model: ModelFactory | None = None,
     ) -> ConfigSource:
+        written_in: str | None = "the config"
         if isinstance(config, RunConfig):
             raw = config.to_dict()
         elif isinstance(config, str | Path):
-            raw = load_yaml(config)
+            raw, written_in = load_yaml(config), str(config)
         elif config is None:
-            raw = DEFAULT_EXPERIMENT
+            raw, written_in = DEFAULT_EXPERIMENT, None
         else:
             raw = dict(config)
         from fedloom.vertical.config import is_vertical_config
@@ -73,7 +77,7 @@ class ConfigSource:
                     f"fedloom.flower: {name} must be a zero-argument callable that returns the "
                     f"{name} (it is called once per process), got {type(factory).__name__}"
                 )
-        return cls(json.loads(json.dumps(raw)), data, model)
+        return cls(json.loads(json.dumps(raw)), data, model, written_in)
 
     def resolve(self, run_config: Mapping[str, Any] | None = None) -> RunConfig:
         """The parsed config, with the ``fedloom.``-prefixed keys of the Flower run config
@@ -83,13 +87,15 @@ class ConfigSource:
             for key, value in sorted((run_config or {}).items())
             if key.startswith(RUN_CONFIG_PREFIX)
         ]
-        cfg = parse_config(apply_overrides(self.raw, overrides))
+        cfg = parse_config(apply_overrides(self.raw, overrides, self.written_in))
         return resolve_defaults(cfg, custom_data=self.data is not None)
 
     def key(self, run_config: Mapping[str, Any] | None) -> str:
         """Identifies the run a process builds (its cache key)."""
         names = [getattr(f, "__qualname__", repr(f)) for f in (self.data, self.model)]
-        return json.dumps([self.raw, dict(run_config or {}), names], sort_keys=True, default=str)
+        return json.dumps(
+            [self.raw, self.written_in, dict(run_config or {}), names], sort_keys=True, default=str
+        )
 
     def build_engine(self, run_config: Mapping[str, Any] | None = None) -> Engine:
         """fedloom's engine for the run (what ``fedloom.run`` builds), without a run directory."""
@@ -144,8 +150,8 @@ class ClientRuntime:
                 f"(training clients: 0..{len(engine.train_ids) - 1})"
             )
         data = engine.training.data[client]
-        plan = engine.algorithm.ctx.make_plan(data, steps, "batches", round, client)
-        return ClientTask(client, data, plan, engine.config.train.lr, round, full=full)
+        make_plan = engine.algorithm.ctx.make_plan
+        return ClientTask.order(client, data, engine.config.train.lr, round, make_plan, steps, full)
 
 
 _RUNTIMES: dict[str, ClientRuntime] = {}

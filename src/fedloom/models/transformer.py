@@ -73,7 +73,7 @@ class FrozenBackbone:
     def __init__(self, bert: nn.Module) -> None:
         self.bert = bert.eval().requires_grad_(False)
 
-    def __deepcopy__(self, memo: dict) -> FrozenBackbone:
+    def __deepcopy__(self, _memo: dict) -> FrozenBackbone:
         return self
 
 

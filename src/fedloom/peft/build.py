@@ -75,7 +75,7 @@ def build_run_model(config: RunConfig, input_shape: tuple[int, ...], num_outputs
     the tools that rebuild a finished run's models: ``fedloom audit``)."""
     if config.peft is not None:
         return build_peft_model(config, num_outputs)
-    return build_model(config.model.name, input_shape, num_outputs)
+    return build_model(config.model.name, input_shape, num_outputs, config.model.options)
 
 
 def needs_peft_server(cfg: PeftConfig) -> bool:

@@ -230,31 +230,50 @@ class StrategySharing:
             params["prompts.shared"] = S.spherical_mean([u["prompts.shared"] for u in uploads], p)
         rnd = server["round"] + 1
         out = {"round": rnd}
-        share = self.spec.share
-        if self.modules and share in ("flora", "fedex"):
-            for m in self.modules:
-                a = [u[f"{m}.{S.A}"] for u in uploads]
-                b = [u[f"{m}.{S.B}"] for u in uploads]
-                key = f"{m}.residual"
-                if share == "flora":
-                    a_stack, b_stack = S.flora_stack(a, b, p)
-                    buffers[key] = buffers[key] + self.scale * (b_stack @ a_stack)
-                    params[f"{m}.{S.A}"] = self.fresh_a(params[f"{m}.{S.A}"], m, int(rnd))
-                    params[f"{m}.{S.B}"] = torch.zeros_like(b[0])
-                else:
-                    buffers[key] = buffers[key] + self.scale * S.fedex_residual(a, b, p)
-                    params[f"{m}.{S.A}"], params[f"{m}.{S.B}"] = S.fedit(a, b, p)
-        elif self.hetlora:  # zero-padded to r_max, weighted by p_k ||B_k A_k||_F
-            ranks = server["ranks"].clone()
-            for c, u in zip(clients, uploads, strict=True):
-                if self.modules:
-                    ranks[c] = u[f"{self.modules[0]}.{S.A}"].shape[0]
-            w = S.hetlora_weights(uploads, self.modules, p)
-            padded = [self.padded(u) for u in uploads]
-            for key in (k for k in shared if k in self.lora):
-                params[key] = S.weighted_sum([u[key] for u in padded], w)
-            out["ranks"] = ranks
+        if self.modules and self.spec.share in ("flora", "fedex"):
+            self.merge_factors(params, buffers, uploads, p, int(rnd))
+        elif self.hetlora:
+            out["ranks"] = self.hetlora_merge(params, server["ranks"], uploads, p, clients)
         return {"params": params, "buffers": buffers, **out}
+
+    def merge_factors(
+        self, params: Tree, buffers: Tree, uploads: list[Tree], p: list[float], rnd: int
+    ) -> None:
+        """FLoRA / FedEx-LoRA, in place: each target's exact weighted mean of B_k A_k goes
+        into its frozen residual (FLoRA: all of it, with fresh factors; FedEx: what the mean
+        factors miss)."""
+        for m in self.modules:
+            a = [u[f"{m}.{S.A}"] for u in uploads]
+            b = [u[f"{m}.{S.B}"] for u in uploads]
+            key = f"{m}.residual"
+            if self.spec.share == "flora":
+                a_stack, b_stack = S.flora_stack(a, b, p)
+                buffers[key] = buffers[key] + self.scale * (b_stack @ a_stack)
+                params[f"{m}.{S.A}"] = self.fresh_a(params[f"{m}.{S.A}"], m, rnd)
+                params[f"{m}.{S.B}"] = torch.zeros_like(b[0])
+            else:
+                buffers[key] = buffers[key] + self.scale * S.fedex_residual(a, b, p)
+                params[f"{m}.{S.A}"], params[f"{m}.{S.B}"] = S.fedit(a, b, p)
+
+    def hetlora_merge(
+        self,
+        params: Tree,
+        ranks: torch.Tensor,
+        uploads: list[Tree],
+        p: list[float],
+        clients: Sequence[int],
+    ) -> torch.Tensor:
+        """HetLoRA, in place: the LoRA factors zero-padded to r_max and weighted by
+        p_k ||B_k A_k||_F; returns every client's rank with the uploaders' updated."""
+        ranks = ranks.clone()
+        for c, u in zip(clients, uploads, strict=True):
+            if self.modules:
+                ranks[c] = u[f"{self.modules[0]}.{S.A}"].shape[0]
+        w = S.hetlora_weights(uploads, self.modules, p)
+        padded = [self.padded(u) for u in uploads]
+        for key in (k for k in uploads[0] if k in self.lora):
+            params[key] = S.weighted_sum([u[key] for u in padded], w)
+        return ranks
 
     def padded(self, upload: Tree) -> Tree:
         """A HetLoRA upload zero-padded back to r_max (B A unchanged)."""

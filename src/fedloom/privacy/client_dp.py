@@ -71,9 +71,18 @@ def clip_update(
     norm: float | None = None,
 ) -> Tree:
     """anchor + (params - anchor) min(1, bound / ||params - anchor||) (``norm``: that norm,
-    when the caller has it already)."""
+    when the caller has it already).
+
+    An update within the bound is returned as it came, not recomputed as anchor + (params -
+    anchor) * 1: in float32 that round trip rounds twice (the difference, then the sum) and is
+    not exact where the model moved far from the anchor relative to its size (a parameter
+    leaving 0), so a client's model moved by a unit in the last place there, and a run whose
+    bound never binds (noise 0) strayed from FedAvg's average by more than the aggregation's
+    own round-off (tests/privacy/test_client_dp_equals_fedavg.py)."""
     norm = update_norm(params, anchor) if norm is None else norm
-    factor = 1.0 if norm <= bound else bound / norm
+    if norm <= bound:
+        return {k: params[k] for k in anchor}
+    factor = bound / norm
     return {k: anchor[k] + (params[k] - anchor[k]) * factor for k in anchor}
 
 

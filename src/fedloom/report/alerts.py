@@ -7,7 +7,7 @@ files: each alert names its rule, the round it fired and what was seen.
 | update_norm_exploding | the median client update norm exceeds ``update_norm_growth`` x its first value, or is not finite (exploding gradients) |
 | update_norm_vanishing | the median client update norm falls below ``update_norm_decay`` x its first value (vanishing gradients) |
 | client_update_norm_exploding | a client's update norm exceeds ``update_norm_growth_client`` x its own first recorded value, or is not finite (one client diverging) |
-| client_accuracy_collapse | a client's personalized accuracy falls below ``client_accuracy_drop`` x its best earlier value (e.g. to near 0) |
+| client_accuracy_collapse | a client with at least ``client_accuracy_min_samples`` test samples (default 20) has its personalized accuracy fall below ``client_accuracy_drop`` x its best earlier value (e.g. to near 0) |
 | nonfinite_dropped | clients whose loss or model was not finite were left out of rounds (``train.nonfinite: drop``) |
 | p10_low | the latest personalized accuracy P10 is below ``p10_min`` (P10 < 0.65) |
 | zeta_jump | zeta^2 rises by more than ``zeta_jump`` (2.0 = 200%) between two evaluations (a zeta^2 jump > 200%) |
@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fedloom.config import AlertConfig
 from fedloom.report.rundir import RunData, dig, num
+from fedloom.run_config.monitor import AlertConfig
 
 MB = 1e6
 
@@ -55,7 +55,7 @@ def evaluate_alerts(run: RunData) -> list[Alert]:
         *loss_plateau(run, cfg.loss_patience),
         *update_norm_alerts(run, cfg.update_norm_growth, cfg.update_norm_decay),
         *client_update_norm_exploding(run, cfg.update_norm_growth_client),
-        *client_accuracy_collapse(run, cfg.client_accuracy_drop),
+        *client_accuracy_collapse(run, cfg.client_accuracy_drop, cfg.client_accuracy_min_samples),
         *nonfinite_dropped(run),
         *p10_low(run, cfg.p10_min),
         *zeta_jump(run, cfg.zeta_jump),
@@ -170,11 +170,29 @@ def client_names(run: RunData, count: int) -> list[str]:
     return [str(i) for i in range(count)]
 
 
-def client_accuracy_collapse(run: RunData, drop: float | None) -> list[Alert]:
+def test_sizes(run: RunData) -> dict[str, int] | None:
+    """Each client's number of test samples (heterogeneity.json's ``test_samples``), or None
+    when the run did not record them (``monitor.enabled: false``, or an older run)."""
+    sizes = dig(run.heterogeneity, "test_samples")
+    if not isinstance(sizes, dict):
+        return None
+    return {str(c): int(n) for c, n in sizes.items() if num(n) is not None}
+
+
+def client_accuracy_collapse(run: RunData, drop: float | None, min_samples: int) -> list[Alert]:
     """A client's personalized accuracy under ``drop`` x its best earlier evaluation (once per
-    client; one alert per evaluation, naming the clients)."""
+    client; one alert per evaluation, naming the clients). Only clients with at least
+    ``min_samples`` test samples are checked: on 5, one sample is 20 points, and a fine-tuned
+    model's swing from 4/5 to 1/5 is no collapse. A run that did not record the sizes has every
+    client checked, and its alerts say so."""
     if drop is None:
         return []
+    sizes = test_sizes(run)
+    checked = (
+        f"clients with at least {min_samples} test samples checked"
+        if sizes is not None
+        else "test-set sizes not recorded (monitor.enabled: false): every client checked"
+    )
     best: dict[int, float] = {}
     fired: set[int] = set()
     alerts = []
@@ -188,6 +206,8 @@ def client_accuracy_collapse(run: RunData, drop: float | None) -> list[Alert]:
             acc = num(value)
             if acc is None or i in fired:
                 continue
+            if sizes is not None and sizes.get(names[i], 0) < min_samples:
+                continue
             top = best.get(i)
             if top is not None and top > 0 and acc < drop * top:
                 found.append(f"{names[i]} ({acc:.1%}, best {top:.1%})")
@@ -199,7 +219,7 @@ def client_accuracy_collapse(run: RunData, drop: float | None) -> list[Alert]:
                     "client_accuracy_collapse",
                     rnd,
                     f"{_clients(found)}: personalized accuracy below {drop:.0%} of its best "
-                    "earlier value",
+                    f"earlier value ({checked})",
                 )
             )
     return alerts

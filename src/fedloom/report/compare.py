@@ -8,7 +8,6 @@ report's style (``html.CSS``) and is self-contained like ``report.html``.
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from fedloom.errors import FedloomInputError, RunDirError
 from fedloom.report import format as fmt
 from fedloom.report.alerts import evaluate_alerts
 from fedloom.report.figures import PERCENT, Panel, base_layout
-from fedloom.report.html import CSS, figures_html
+from fedloom.report.html import CSS, chips_html, figures_html, footer_html, notes_html, page_html
 from fedloom.report.rundir import (
     RunData,
     config_name,
@@ -120,19 +119,33 @@ def total_bytes(run: RunData) -> list[float | None]:
     ]
 
 
+def _run_total_bytes(run: RunData) -> float | None:
+    """Bytes up + down of the whole run: summary.json, else the last evaluated round."""
+    up = num(dig(run.summary, "communication", "bytes_up"))
+    down = num(dig(run.summary, "communication", "bytes_down"))
+    if up is not None or down is not None:
+        return (up or 0.0) + (down or 0.0)
+    return next((v for v in reversed(total_bytes(run)) if v is not None), None)
+
+
+def _seconds_per_round(run: RunData) -> float | None:
+    """summary.json's seconds per round, else wall seconds so far over the last round."""
+    per_round = num(dig(run.summary, "seconds_per_round"))
+    if per_round is not None:
+        return per_round
+    wall, last = num(latest(run, "wall_seconds")), (run.round_numbers or [None])[-1]
+    return wall / last if wall is not None and last else None
+
+
+def _fired_alerts(run: RunData) -> list[str]:
+    """The alert rules that fired on ``run``, each once, in the order they fired."""
+    return list(dict.fromkeys(a.rule for a in evaluate_alerts(run))) if run.rounds else []
+
+
 def run_facts(run: RunData, label: str | None = None) -> RunFacts:
     """The summary numbers of ``run``: summary.json where present, else the latest row."""
     summary, config = run.summary, run.config
     pers = final_section(run, "personalized") or {}
-    up = num(dig(summary, "communication", "bytes_up"))
-    down = num(dig(summary, "communication", "bytes_down"))
-    total = (up or 0.0) + (down or 0.0) if up is not None or down is not None else None
-    if total is None:
-        total = next((v for v in reversed(total_bytes(run)) if v is not None), None)
-    per_round = num(dig(summary, "seconds_per_round"))
-    if per_round is None:
-        wall, last = num(latest(run, "wall_seconds")), (run.round_numbers or [None])[-1]
-        per_round = wall / last if wall is not None and last else None
     means = [v for v in run.series("personalized", "accuracy_mean") if v is not None]
     return RunFacts(
         label=label or run.run_dir.name,
@@ -147,10 +160,10 @@ def run_facts(run: RunData, label: str | None = None) -> RunFacts:
             key: num(pers.get(f"accuracy_{key}")) for key in ("mean", "p10", "p50", "p90", "min")
         },
         best_personalized_mean=max(means, default=None),
-        total_bytes=total,
-        seconds_per_round=per_round,
+        total_bytes=_run_total_bytes(run),
+        seconds_per_round=_seconds_per_round(run),
         cold_start=cold_start(run),
-        alerts=list(dict.fromkeys(a.rule for a in evaluate_alerts(run))) if run.rounds else [],
+        alerts=_fired_alerts(run),
     )
 
 
@@ -299,39 +312,40 @@ def overlay_panels(runs: Sequence[RunData], labels: Sequence[str]) -> list[Panel
         curve = cold_start(run)
         return list(curve), list(curve.values())
 
+    def accuracy(key: str, title: str, caption: str, section: str, metric: str) -> Panel:
+        return _overlay(
+            key,
+            title,
+            caption,
+            runs,
+            labels,
+            per_round(section, metric),
+            y_title="accuracy",
+            hover=pct,
+            percent=True,
+        )
+
     panels = [
-        _overlay(
+        accuracy(
             "global_accuracy",
             "Global accuracy",
             "The global model on the pooled test data, per evaluated round.",
-            runs,
-            labels,
-            per_round("global", "accuracy"),
-            y_title="accuracy",
-            hover=pct,
-            percent=True,
+            "global",
+            "accuracy",
         ),
-        _overlay(
+        accuracy(
             "personalized_mean",
             "Personalized accuracy · mean",
             "Each client's personalized model on its own test data, averaged over clients.",
-            runs,
-            labels,
-            per_round("personalized", "accuracy_mean"),
-            y_title="accuracy",
-            hover=pct,
-            percent=True,
+            "personalized",
+            "accuracy_mean",
         ),
-        _overlay(
+        accuracy(
             "personalized_p10",
             "Personalized accuracy · P10",
             "The 10th percentile over clients: how well the worst-served clients do.",
-            runs,
-            labels,
-            per_round("personalized", "accuracy_p10"),
-            y_title="accuracy",
-            hover=pct,
-            percent=True,
+            "personalized",
+            "accuracy_p10",
         ),
         _overlay(
             "loss",
@@ -419,10 +433,13 @@ def _status_class(status: str) -> str:
     return "done" if status == "finished" else "running"
 
 
-def summary_table(facts: Sequence[RunFacts], colors: Sequence[str]) -> str:
-    """One row per run; the best value of each numeric column is bold."""
-    steps = sorted({s for f in facts for s in f.cold_start})
-    columns: list[tuple[str, str, str, Callable[[RunFacts], float | None], bool]] = [
+_Column = tuple[str, str, str, Callable[[RunFacts], float | None], bool]
+"""(key, title, tooltip, value of a run, higher is better / shown as a percent)."""
+
+
+def _columns(steps: Sequence[float]) -> list[_Column]:
+    """The numeric columns: accuracies, costs, then one per cold-start step."""
+    return [
         ("global", "Global", "the global model's accuracy", lambda f: f.global_accuracy, True),
         *(
             (
@@ -453,55 +470,76 @@ def summary_table(facts: Sequence[RunFacts], colors: Sequence[str]) -> str:
             for s in steps
         ),
     ]
+
+
+def _best(columns: Sequence[_Column], facts: Sequence[RunFacts]) -> dict[str, float | None]:
+    """The best value of each column (None where fewer than two runs have one)."""
     best: dict[str, float | None] = {}
     for key, _, _, get, higher in columns:
         values = [v for v in map(get, facts) if v is not None]
         best[key] = (max if higher else min)(values) if len(values) > 1 else None
+    return best
+
+
+def _group_row(steps: Sequence[float]) -> str:
+    """The header row above the column titles that names their groups."""
+    groups = [("", 4), ("Personalized accuracy", 5), ("Cost", 2)]
+    if steps:
+        groups.append(("New clients · steps", len(steps)))
+    groups.append(("", 1))
+    return "".join(
+        f'<th colspan="{n}" class="group">{escape(title)}</th>'
+        if title
+        else f'<th colspan="{n}"></th>'
+        for title, n in groups
+    )
+
+
+def _run_rows(
+    f: RunFacts, color: str, columns: Sequence[_Column], best: dict[str, float | None]
+) -> str:
+    """A run's two rows: its numbers, then its hyperparameters."""
 
     def cell(key: str, value: float | None, percent: bool) -> str:
         text = fmt.percent(value) if percent else fmt.MISSING if value is None else f"{value:,.2f}"
         strong = value is not None and value == best[key]
         return f'<td class="num{" best" if strong else ""}" data-col="{key}">{text}</td>'
 
-    groups = [("", 4), ("Personalized accuracy", 5), ("Cost", 2)]
-    if steps:
-        groups.append(("New clients · steps", len(steps)))
-    groups.append(("", 1))
-    group_row = "".join(
-        f'<th colspan="{n}" class="group">{escape(title)}</th>'
-        if title
-        else f'<th colspan="{n}"></th>'
-        for title, n in groups
+    progress = fmt.integer(f.last_round) if f.last_round is not None else fmt.MISSING
+    if f.planned_rounds is not None:
+        progress += f" / {fmt.integer(f.planned_rounds)}"
+    cells = "".join(cell(key, get(f), pct) for key, _, _, get, pct in columns)
+    label = escape(f.label)
+    width = 4 + len(columns)
+    return (
+        f'<tr data-run="{label}" class="main">'
+        f'<td class="run"><span class="swatch" style="background:{color}"></span>{label}</td>'
+        f'<td data-col="algorithm">{escape(str(f.algorithm or fmt.MISSING))}</td>'
+        f'<td class="rounds" data-col="rounds"><span class="status {_status_class(f.status)}">'
+        f"{escape(f.status)}</span> {escape(progress)}</td>{cells}"
+        f'<td class="alerts-cell" data-col="alerts">{alerts_cell(f.alerts)}</td></tr>'
+        f'<tr data-run-hps="{label}" class="hps"><td></td><td colspan="{width - 1}" '
+        f'data-col="hyperparameters">{_hp_html(f.hyperparameters)}</td></tr>'
     )
+
+
+def summary_table(facts: Sequence[RunFacts], colors: Sequence[str]) -> str:
+    """One row per run; the best value of each numeric column is bold."""
+    steps = sorted({s for f in facts for s in f.cold_start})
+    columns = _columns(steps)
+    best = _best(columns, facts)
     head = "".join(
         f'<th class="num" title="{escape(tip)}">{escape(title)}</th>'
         for _, title, tip, _, _ in columns
     )
-    width = 4 + len(columns)
-    rows = []
-    for f, color in zip(facts, colors, strict=True):
-        progress = fmt.integer(f.last_round) if f.last_round is not None else fmt.MISSING
-        if f.planned_rounds is not None:
-            progress += f" / {fmt.integer(f.planned_rounds)}"
-        cells = "".join(cell(key, get(f), pct) for key, _, _, get, pct in columns)
-        label = escape(f.label)
-        rows.append(
-            f'<tr data-run="{label}" class="main">'
-            f'<td class="run"><span class="swatch" style="background:{color}"></span>{label}</td>'
-            f'<td data-col="algorithm">{escape(str(f.algorithm or fmt.MISSING))}</td>'
-            f'<td class="rounds" data-col="rounds"><span class="status {_status_class(f.status)}">'
-            f"{escape(f.status)}</span> {escape(progress)}</td>{cells}"
-            f'<td class="alerts-cell" data-col="alerts">{alerts_cell(f.alerts)}</td></tr>'
-            f'<tr data-run-hps="{label}" class="hps"><td></td><td colspan="{width - 1}" '
-            f'data-col="hyperparameters">{_hp_html(f.hyperparameters)}</td></tr>'
-        )
+    rows = [_run_rows(f, color, columns, best) for f, color in zip(facts, colors, strict=True)]
     return (
         '<section class="panel wide table"><h2>Summaries</h2>'
         '<p class="caption">Final numbers from each run\'s summary.json (the latest evaluated '
         "round for a run still in progress), with the algorithm's settings under each run. "
         "Bold: the best of each column.</p>"
         '<div class="scroll"><table class="compare">'
-        f'<thead><tr class="groups">{group_row}</tr><tr><th>Run</th><th>Algorithm</th>'
+        f'<thead><tr class="groups">{_group_row(steps)}</tr><tr><th>Run</th><th>Algorithm</th>'
         f"<th>Rounds</th>{head}<th>Alerts</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table></div></section>"
     )
@@ -550,6 +588,66 @@ def _title(facts: Sequence[RunFacts]) -> str:
     return " vs ".join(f.label for f in facts) if len(facts) <= 4 else f"{len(facts)} runs"
 
 
+def _header(
+    runs: Sequence[RunData],
+    facts: Sequence[RunFacts],
+    colors: Sequence[str],
+    title: str,
+    back_href: str | None,
+) -> str:
+    """Title, the chips the runs share (dataset, partition) and one line per run."""
+    datasets = {str(f.dataset) for f in facts}
+    partitions = {_show(dig(r.config, "data", "partition")) for r in runs}
+    chips = [("runs", str(len(runs)))]
+    if len(datasets) == 1:
+        chips.append(("dataset", datasets.pop()))
+    if len(partitions) == 1:
+        chips.append(("partition", partitions.pop()))
+    run_list = "".join(
+        f'<li><span class="swatch" style="background:{c}"></span><b>{escape(f.label)}</b> '
+        f"{escape(str(r.run_dir.resolve()))}</li>"
+        for f, r, c in zip(facts, runs, colors, strict=True)
+    )
+    back = f'<a class="back" href="{escape(back_href)}">← all runs</a>' if back_href else ""
+    return (
+        f'<header class="run">{back}<div class="eyebrow">fedloom comparison</div>'
+        f"<h1>{escape(title)}</h1>"
+        f'<div class="chips">{chips_html(chips)}</div><ul class="runs-list">{run_list}</ul>'
+        "</header>"
+    )
+
+
+def _progress_lines(facts: Sequence[RunFacts]) -> list[str]:
+    """One line per run still in progress or without an evaluated round."""
+    progress = [
+        f"{f.label} is still in progress (round {fmt.integer(f.last_round)}"
+        + (f" of {fmt.integer(f.planned_rounds)})." if f.planned_rounds else ").")
+        for f in facts
+        if f.status == "running" and f.last_round is not None
+    ]
+    return progress + [
+        f"{f.label} has no evaluated rounds yet." for f in facts if f.last_round is None
+    ]
+
+
+def _warnings(runs: Sequence[RunData], labels: Sequence[str], facts: Sequence[RunFacts]) -> str:
+    """The banner for runs on different data, then the notes on runs not finished."""
+    mismatches = data_mismatches(runs, labels)
+    progress = _progress_lines(facts)
+    warn_html = ""
+    if mismatches:
+        items = "".join(f"<li>{escape(w)}</li>" for w in mismatches)
+        warn_html = (
+            '<div class="banner warn" id="data-mismatch"><strong>These runs do not use the same '
+            "data, so their numbers are not directly comparable.</strong>"
+            f"<ul>{items}</ul></div>"
+        )
+    if progress:
+        items = "".join(f"<li>{escape(w)}</li>" for w in progress)
+        warn_html += f'<section class="notes" id="in-progress"><ul>{items}</ul></section>'
+    return warn_html
+
+
 def render_comparison(
     runs: Sequence[RunData],
     labels: Sequence[str] | None = None,
@@ -563,76 +661,18 @@ def render_comparison(
     facts = [run_facts(run, label) for run, label in zip(runs, labels, strict=True)]
     colors = [_style(i)[0] for i in range(len(runs))]
     title = _title(facts)
-    datasets = {str(f.dataset) for f in facts}
-    partitions = {_show(dig(r.config, "data", "partition")) for r in runs}
-    chips = [("runs", str(len(runs)))]
-    if len(datasets) == 1:
-        chips.append(("dataset", datasets.pop()))
-    if len(partitions) == 1:
-        chips.append(("partition", partitions.pop()))
-    chip_html = "".join(
-        f'<span class="chip"><span class="k">{escape(k)}</span> {escape(v)}</span>'
-        for k, v in chips
-    )
-    run_list = "".join(
-        f'<li><span class="swatch" style="background:{c}"></span><b>{escape(f.label)}</b> '
-        f"{escape(str(r.run_dir.resolve()))}</li>"
-        for f, r, c in zip(facts, runs, colors, strict=True)
-    )
-    back = f'<a class="back" href="{escape(back_href)}">← all runs</a>' if back_href else ""
-    header = (
-        f'<header class="run">{back}<div class="eyebrow">fedloom comparison</div>'
-        f"<h1>{escape(title)}</h1>"
-        f'<div class="chips">{chip_html}</div><ul class="runs-list">{run_list}</ul></header>'
-    )
-    mismatches = data_mismatches(runs, labels)
-    progress = [
-        f"{f.label} is still in progress (round {fmt.integer(f.last_round)}"
-        + (f" of {fmt.integer(f.planned_rounds)})." if f.planned_rounds else ").")
-        for f in facts
-        if f.status == "running" and f.last_round is not None
-    ]
-    progress += [f"{f.label} has no evaluated rounds yet." for f in facts if f.last_round is None]
-    warn_html = ""
-    if mismatches:
-        items = "".join(f"<li>{escape(w)}</li>" for w in mismatches)
-        warn_html = (
-            '<div class="banner warn" id="data-mismatch"><strong>These runs do not use the same '
-            "data, so their numbers are not directly comparable.</strong>"
-            f"<ul>{items}</ul></div>"
-        )
-    if progress:
-        items = "".join(f"<li>{escape(w)}</li>" for w in progress)
-        warn_html += f'<section class="notes" id="in-progress"><ul>{items}</ul></section>'
     notes = [
         f"{label}: {note}" for run, label in zip(runs, labels, strict=True) for note in run.notes
     ]
-    notes_html = ""
-    if notes:
-        items = "".join(f"<li>{escape(n)}</li>" for n in notes)
-        notes_html = (
-            f'<section class="notes"><strong>Notes on the run files</strong><ul>{items}</ul>'
-            "</section>"
-        )
     body = [
-        header,
-        warn_html,
-        notes_html,
+        _header(runs, facts, colors, title, back_href),
+        _warnings(runs, labels, facts),
+        notes_html(notes),
         summary_table(facts, colors),
         figures_html(overlay_panels(runs, labels), plotlyjs),
-        "<footer>Generated by fedloom on "
-        f"{_dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
-        + (". Self-contained: works offline.</footer>" if plotlyjs is True else ".</footer>"),
+        footer_html(offline=plotlyjs is True),
     ]
-    return (
-        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{escape(title)} · fedloom comparison</title>\n"
-        f"<style>{CSS}{COMPARE_CSS}</style>\n</head>\n"
-        '<body>\n<main class="page">\n'
-        + "\n".join(part for part in body if part)
-        + "\n</main>\n</body>\n</html>\n"
-    )
+    return page_html(f"{title} · fedloom comparison", CSS + COMPARE_CSS, body)
 
 
 def write_comparison(run_dirs: Iterable[str | Path], out: str | Path = COMPARE_FILE) -> Path:

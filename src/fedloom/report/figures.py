@@ -139,6 +139,41 @@ def no_rounds(panel: Panel) -> Panel:
     return panel
 
 
+def _reported(series: list[float | None]) -> bool:
+    return any(v is not None for v in series)
+
+
+def _median_line(
+    run: RunData,
+    p10: list[float | None],
+    p50: list[float | None],
+    p90: list[float | None],
+    has_band: bool,
+) -> go.Scatter:
+    """The personalized median, with P10 and P90 in its hover text where the band is shown,
+    and as a whisker where there is only one round (a band needs two)."""
+    pct = f"%{{y:{PERCENT}}}"
+    median = round_line(run, p50, "personalized P50", PERSONAL, dash="dot", width=1.8, hover=pct)
+    if has_band and len(run.rounds) == 1:
+        lo, mid, hi = p10[0], p50[0], p90[0]
+        if lo is not None and mid is not None and hi is not None:
+            median.error_y = {
+                "type": "data",
+                "array": [hi - mid],
+                "arrayminus": [mid - lo],
+                "color": PERSONAL,
+                "thickness": 1.5,
+                "width": 8,
+            }
+    if has_band:
+        median.customdata = list(zip(p10, p90, strict=True))
+        median.hovertemplate = (
+            f"{pct} (P10 %{{customdata[0]:{PERCENT}}}, P90 %{{customdata[1]:{PERCENT}}})"
+            "<extra></extra>"
+        )
+    return median
+
+
 def accuracy_panel(run: RunData) -> Panel:
     """Global accuracy, personalized mean, P10–P90 band and P50 per round."""
     panel = Panel(
@@ -155,43 +190,23 @@ def accuracy_panel(run: RunData) -> Panel:
     p50 = run.series("personalized", "accuracy_p50")
     p90 = run.series("personalized", "accuracy_p90")
     new = run.series("new_clients", "accuracy_mean")
-    if not any(v is not None for s in (glob, mean, p10, p50, p90, new) for v in s):
+    if not any(_reported(s) for s in (glob, mean, p10, p50, p90, new)):
         panel.note = "No accuracy was reported (a regression task?); see the loss figure."
         return panel
     pct = f"%{{y:{PERCENT}}}"
     fig = go.Figure()
-    has_band = any(v is not None for v in p10) and any(v is not None for v in p90)
+    has_band = _reported(p10) and _reported(p90)
     if has_band:
         add_band(fig, run, p10, p90, "personalized P10–P90", PERSONAL_BAND)
-    if any(v is not None for v in p50):
-        median = round_line(
-            run, p50, "personalized P50", PERSONAL, dash="dot", width=1.8, hover=pct
-        )
-        if has_band and len(run.rounds) == 1:  # a band needs two rounds: show a whisker
-            lo, mid, hi = p10[0], p50[0], p90[0]
-            if lo is not None and mid is not None and hi is not None:
-                median.error_y = {
-                    "type": "data",
-                    "array": [hi - mid],
-                    "arrayminus": [mid - lo],
-                    "color": PERSONAL,
-                    "thickness": 1.5,
-                    "width": 8,
-                }
-        if has_band:
-            median.customdata = list(zip(p10, p90, strict=True))
-            median.hovertemplate = (
-                f"{pct} (P10 %{{customdata[0]:{PERCENT}}}, P90 %{{customdata[1]:{PERCENT}}})"
-                "<extra></extra>"
-            )
-        fig.add_trace(median)
-    if any(v is not None for v in mean):
+    if _reported(p50):
+        fig.add_trace(_median_line(run, p10, p50, p90, has_band))
+    if _reported(mean):
         fig.add_trace(round_line(run, mean, "personalized mean", PERSONAL, hover=pct))
-    if any(v is not None for v in new):
+    if _reported(new):
         fig.add_trace(round_line(run, new, "new clients mean", NEW_CLIENTS, dash="dash", hover=pct))
-    if any(v is not None for v in glob):
+    if _reported(glob):
         fig.add_trace(round_line(run, glob, "global", GLOBAL, width=2.8, hover=pct))
-    elif run.rounds:
+    else:
         panel.note = "No global model in this run: only personalized accuracy is shown."
     round_layout(fig, run, y_title="accuracy", height=430, y_format=PERCENT)
     panel.figure = fig

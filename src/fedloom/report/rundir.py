@@ -59,7 +59,8 @@ class RunData:
     label_histogram: LabelHistogram | None
     notes: list[str] = field(default_factory=list)
     heterogeneity: dict[str, Any] | None = None
-    """heterogeneity.json: per-client label KL and feature JS to the pooled data."""
+    """heterogeneity.json: per-client label KL and feature JS to the pooled data, and test-set
+    sizes."""
 
     @property
     def in_progress(self) -> bool:

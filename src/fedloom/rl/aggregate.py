@@ -118,6 +118,4 @@ class PolicyAggregator:
         return self.mechanisms.state_dict()
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        if saved and not set(saved) & set(ORDER):  # before 0.3: the robust rule's own state
-            saved = {"robust": saved}
         self.mechanisms.load_state_dict(dict(saved))

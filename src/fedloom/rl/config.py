@@ -27,17 +27,14 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from fedloom.config import (
-    AggregatorConfig,
-    CheckpointConfig,
-    CompressionConfig,
-    PrivacyConfig,
-    StrictModel,
-    load_yaml,
-)
-from fedloom.core.settings import Seed
+from fedloom.compression.config import CompressionConfig
+from fedloom.config import load_yaml
+from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, format_validation_error
 from fedloom.errors import ConfigError, unknown_name_message
+from fedloom.privacy.config import PrivacyConfig
+from fedloom.robust.config import AggregatorConfig
+from fedloom.run_config.train import CheckpointConfig
 
 RL_ENVS = ("cartpole", "acrobot")
 RL_ALGORITHMS = (

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.engine.loop import RunResult
-from fedloom.engine.shell import RunShell, base_summary
+from fedloom.engine.shell import RunShell, base_summary, releasing_locks
 from fedloom.engine.threads import torch_threads
 from fedloom.rl.config import RLRunConfig, VerticalDQNConfig, parse_rl_config
 from fedloom.rl.horizontal import PolicyAgents, QAgents
@@ -60,6 +60,7 @@ def _row(round: int, stats: dict[str, Any], returns: dict, learner: Any, wall: f
     }
 
 
+@releasing_locks()  # the run directory is free again when the run ends, or fails
 def run_rl(
     config: Any = None,
     *,

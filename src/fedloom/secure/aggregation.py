@@ -73,12 +73,11 @@ def build_protocol(config: SecureAggregationConfig, seed: int, max_clients: int)
                 config.key_bits,
                 max_clients=min(config.max_clients, max_clients),
                 min_contributors=config.min_contributors,
-                seed=seed,
             )
         if kind == "ckks":
             from fedloom.secure.ckks import CKKSAggregation
 
-            return CKKSAggregation(config.clip, config.min_contributors, seed=seed)
+            return CKKSAggregation(config.clip, config.min_contributors)
     except ImportError as err:  # pragma: no cover - the test extra installs them
         from fedloom.errors import ConfigError
 

@@ -122,9 +122,8 @@ class CKKSAggregation(EncryptedAggregation):
     CKKS itself only needs values well below 2^19 with these parameters);
     ``min_contributors``: the authority's K_min (2, as for Paillier); ``max_weight``: the
     largest weight :meth:`weighted_sum` accepts (None: any; the absolute error grows in
-    proportion to the weights); ``seed`` is kept for the engine's uniform constructor and
-    seeds nothing (SEAL draws its own randomness); ``n_threads``:
-    TenSEAL's thread count (None: all cores).
+    proportion to the weights); ``n_threads``: TenSEAL's thread count (None: all cores).
+    Nothing here is seeded: SEAL draws its own randomness.
     """
 
     key_authority: CKKSKeyAuthority
@@ -135,7 +134,6 @@ class CKKSAggregation(EncryptedAggregation):
         clip: float = 8.0,
         min_contributors: int = 2,
         max_weight: int | None = None,
-        seed: int = 0,
         *,
         n_threads: int | None = None,
         transcript: Transcript | None = None,
@@ -143,7 +141,7 @@ class CKKSAggregation(EncryptedAggregation):
         super().__init__()
         if not (np.isfinite(clip) and clip > 0):
             raise SecureAggregationConfigError(f"clip={clip}: must be a positive number")
-        self.clip, self.max_weight, self.seed = float(clip), max_weight, seed
+        self.clip, self.max_weight = float(clip), max_weight
         self.key_authority = CKKSKeyAuthority(min_contributors, n_threads)
         public = self.key_authority.public_context
         self._public_context = ts.context_from(public, n_threads=n_threads)

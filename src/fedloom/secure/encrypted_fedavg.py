@@ -115,11 +115,10 @@ class PaillierAggregation(EncryptedAggregation):
     size the slots: a round may sum at most K uploads with integer weights <= w_max (1 for
     the unweighted :meth:`sum`; set it to the largest n_k for :meth:`weighted_sum`);
     ``min_contributors``: the key authority's K_min (2: it never decrypts one client's
-    ciphertext as declared; raise it for more privacy); ``seed`` is kept for the engine's
-    uniform constructor and never seeds encryption (phe draws its randomness from the OS),
-    and the decoded sum is exact, so runs reproduce regardless. ``keypair``: reuse keys
-    (tests); otherwise the authority generates them. ``transcript``: where messages are
-    recorded (a fresh one by default).
+    ciphertext as declared; raise it for more privacy). Nothing here is seeded (phe draws
+    its randomness from the OS), and the decoded sum is exact, so runs reproduce regardless.
+    ``keypair``: reuse keys (tests); otherwise the authority generates them. ``transcript``:
+    where messages are recorded (a fresh one by default).
     """
 
     key_authority: PaillierKeyAuthority
@@ -133,14 +132,13 @@ class PaillierAggregation(EncryptedAggregation):
         max_clients: int = 100,
         max_weight: int = 1,
         min_contributors: int = 2,
-        seed: int = 0,
         *,
         keypair: PaillierKeypair | None = None,
         transcript: Transcript | None = None,
     ) -> None:
         super().__init__()
         self.codec = FixedPoint(float(clip), frac_bits)
-        self.max_clients, self.max_weight, self.seed = max_clients, max_weight, seed
+        self.max_clients, self.max_weight = max_clients, max_weight
         if keypair is not None:
             key_bits = keypair.key_bits
         width = slot_bits(self.codec.value_bits, max_clients, max_weight)

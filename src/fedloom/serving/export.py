@@ -33,6 +33,7 @@ from fedloom.models import build_model
 
 CARD_FILE = "card.json"
 EXPORT_DIR = "export"
+Json = dict[str, Any]
 WHAT = {
     "global": "the server's global model after the last round",
     "ema": "exponential moving average of the global model over rounds (debiased)",
@@ -94,13 +95,11 @@ def _split_clients(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torc
     return out
 
 
-def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write ``out`` (default ``RUN_DIR/export``) from ``RUN_DIR/serving``; returns the card."""
-    run_dir = Path(run_dir)
-    source = run_dir / SERVING_DIR
+def _export_target(run_dir: Path, out: str | Path | None) -> Path:
+    """Where the export goes, after checking that ``run_dir`` kept deployable models."""
     if not (run_dir / "config.yaml").is_file():
         raise RunDirError(f"{run_dir} is not a fedloom run directory (no config.yaml)")
-    if not (source / META_FILE).is_file():
+    if not (run_dir / SERVING_DIR / META_FILE).is_file():
         raise RunDirError(
             f"{run_dir} has no {SERVING_DIR}/{META_FILE}: only runs with a serving section keep "
             "deployable models (serving: {keep_best: true, ema: 0.99}, docs/serving.md)"
@@ -108,37 +107,40 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     target = Path(out) if out is not None else run_dir / EXPORT_DIR
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise RunDirError(f"export directory {target} exists and is not empty; choose a new --out")
-    meta = _read_meta(source / META_FILE)
-    summary_path = run_dir / "summary.json"
-    summary = read_json_object(summary_path) if summary_path.is_file() else {}
-    config = read_yaml_mapping(run_dir / "config.yaml")
-    model = meta["model"]
-    serving = summary.get("serving") or meta.get("serving") or {}
-    final = summary.get("final") or {}
-    copies: dict[str, Any] = {}
-    for name, filename in meta["files"].items():
-        # the file names serving.json gives are read inside RUN/serving only; what is written
-        # is named here (FILES, clients/...), never after them
-        tensors = _load(inside(source, filename, f"{META_FILE} files.{name}"))
-        entry: dict[str, Any] = {"what": WHAT[name]}
-        if name in ("clients", "clients_best"):
-            files = {}
-            for cid, tree in sorted(_split_clients(tensors).items()):
-                rel = f"{name}/client_{cid}.safetensors"
-                _save(tree, target / rel, f"{name}/{cid}", model)
-                files[str(cid)] = rel
-            entry["files"] = files
-        else:
-            _save(tensors, target / FILES[name], name, model)
-            entry["file"] = FILES[name]
-        entry.update(_metrics(name, final, serving))
-        copies[name] = entry
-    routing = dict(serving.get("routing") or {})
+    return target
+
+
+def _export_copy(
+    name: str, tensors: dict[str, torch.Tensor], target: Path, model: str
+) -> dict[str, Any]:
+    """Write one copy (one file, or one per client) and return its card entry."""
+    entry: dict[str, Any] = {"what": WHAT[name]}
+    if name in ("clients", "clients_best"):
+        files = {}
+        for cid, tree in sorted(_split_clients(tensors).items()):
+            rel = f"{name}/client_{cid}.safetensors"
+            _save(tree, target / rel, f"{name}/{cid}", model)
+            files[str(cid)] = rel
+        entry["files"] = files
+    else:
+        _save(tensors, target / FILES[name], name, model)
+        entry["file"] = FILES[name]
+    return entry
+
+
+def _serving_facts(summary: Json, meta: Json) -> Json:
+    """What the run recorded about its served copies (summary.json, else serving.json)."""
+    return summary.get("serving") or meta.get("serving") or {}
+
+
+def _card(run_dir: Path, meta: Json, summary: Json, config: Json, copies: Json) -> Json:
+    """card.json: the model to build, its input and classes, where it came from, the copies."""
+    routing = dict(_serving_facts(summary, meta).get("routing") or {})
     routing.pop("clients", None)
-    card = {
+    return {
         "format": "fedloom-export",
         "version": 1,
-        "model": {"name": model, "config": config.get("model")},
+        "model": {"name": meta["model"], "config": config.get("model")},
         "task": meta["task"],
         "input_shape": meta["input_shape"],
         "num_outputs": meta["num_outputs"],
@@ -157,6 +159,28 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             ".load_state_dict(safetensors.torch.load_file(FILE))"
         ),
     }
+
+
+def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``out`` (default ``RUN_DIR/export``) from ``RUN_DIR/serving``; returns the card."""
+    run_dir = Path(run_dir)
+    source = run_dir / SERVING_DIR
+    target = _export_target(run_dir, out)
+    meta = _read_meta(source / META_FILE)
+    summary_path = run_dir / "summary.json"
+    summary = read_json_object(summary_path) if summary_path.is_file() else {}
+    config = read_yaml_mapping(run_dir / "config.yaml")
+    serving = _serving_facts(summary, meta)
+    final = summary.get("final") or {}
+    copies: dict[str, Any] = {}
+    for name, filename in meta["files"].items():
+        # the file names serving.json gives are read inside RUN/serving only; what is written
+        # is named here (FILES, clients/...), never after them
+        tensors = _load(inside(source, filename, f"{META_FILE} files.{name}"))
+        entry = _export_copy(name, tensors, target, meta["model"])
+        entry.update(_metrics(name, final, serving))
+        copies[name] = entry
+    card = _card(run_dir, meta, summary, config, copies)
     (target / CARD_FILE).write_text(strict_json(card, indent=2))
     return target / CARD_FILE
 
@@ -197,7 +221,11 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
         path = inside(folder, entry["files"][str(client)], f"{CARD_FILE} {copy}")
     else:
         path = inside(folder, entry["file"], f"{CARD_FILE} {copy}")
-    module = build_model(card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"])
+    section = card["model"].get("config") or {}
+    options = {k: v for k, v in section.items() if k not in ("name", "freeze")}  # resnet18's norm
+    module = build_model(
+        card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"], options
+    )
     module.load_state_dict(_load(path))
     return module.eval()
 

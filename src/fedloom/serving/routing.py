@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fedloom.config import ServingConfig
 from fedloom.engine.serving import ServingCopies
 from fedloom.errors import ConfigError
+from fedloom.run_config.serving import ServingConfig
 from fedloom.serving.router import ClientRouting, route_client
 
 if TYPE_CHECKING:

@@ -21,6 +21,7 @@ from fedloom.core.lean import LeanModule, backward
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
+from fedloom.data.augment import Augmentation, Augmenter, draw_augmentation
 from fedloom.solvers.adamw import AdamW, Moments, fused_adamw_
 
 
@@ -71,11 +72,14 @@ class PlanMaker:
 
     A small picklable object (not a closure over the engine) so that algorithms can be sent to
     Ray workers and still make the same plans there. With ``poisson`` (sample-level DP) the
-    engine's round plan (purpose ``batches``) is Poisson-sampled (``poisson_plan``)."""
+    engine's round plan (purpose ``batches``) is Poisson-sampled (``poisson_plan``). With
+    ``augment`` (the dataset's train-time augmentation, data/augment.py) every plan it makes
+    is trained on augmented samples, drawn by ``augmentation``."""
 
     seed: int
     batch_size: int | None
     poisson: bool = False
+    augment: Augmenter | None = None
 
     def __call__(
         self, data: ClientData, num_steps: int, purpose: str, round: int, client_id: int
@@ -85,18 +89,28 @@ class PlanMaker:
             return poisson_plan(data.num_train, self.batch_size, num_steps, gen)
         return batch_plan(data.num_train, self.batch_size, num_steps, gen)
 
+    def augmentation(
+        self, plan: list[torch.Tensor], purpose: str, round: int, client_id: int
+    ) -> Augmentation | None:
+        """The augmentation of a plan this maker made for ``purpose`` (None without one)."""
+        return draw_augmentation(self.augment, plan, purpose, round, client_id)
+
 
 GATHER_BYTES = 8 << 20
 """Consecutive steps' minibatches are gathered together up to about this many bytes."""
 
 
 def minibatches(
-    x: torch.Tensor, y: torch.Tensor, plan: list[torch.Tensor]
+    x: torch.Tensor,
+    y: torch.Tensor,
+    plan: list[torch.Tensor],
+    augment: Augmentation | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each step's minibatch ``(x[idx], y[idx])`` along ``plan``, gathered with one indexing
     call per group of consecutive steps (up to GATHER_BYTES) and handed out as contiguous
     slices: an epoch's reordering is one copy, not one gather per step, which matters for
-    small minibatches (benchmarks/README.md, Design measurements)."""
+    small minibatches (benchmarks/README.md, Design measurements). With ``augment`` (the
+    plan's draws, data/augment.py) each group's inputs are augmented in one batched call."""
     row_bytes = max(1, x[:1].numel() * x.element_size())
     i = 0
     while i < len(plan):
@@ -104,15 +118,14 @@ def minibatches(
         while j < len(plan) and (rows + plan[j].shape[0]) * row_bytes <= GATHER_BYTES:
             rows += plan[j].shape[0]
             j += 1
+        idx = plan[i] if j - i == 1 else torch.cat(plan[i:j])
+        xs = x[idx] if augment is None else augment.step(x[idx], i)  # the group's draws
         if j - i == 1:
-            yield x[plan[i]], y[plan[i]]
+            yield xs, y[idx]
         else:
-            idx = torch.cat(plan[i:j])
             sizes = [b.shape[0] for b in plan[i:j]]
             # split_with_sizes: all the views in one call, not one slicing call per view
-            yield from zip(
-                x[idx].split_with_sizes(sizes), y[idx].split_with_sizes(sizes), strict=True
-            )
+            yield from zip(xs.split_with_sizes(sizes), y[idx].split_with_sizes(sizes), strict=True)
         i = j
 
 
@@ -135,8 +148,10 @@ class LocalSolution:
 
 
 @dataclass
-class Batch:
-    """One local step's minibatch, as a minibatch objective of :func:`local_sgd` sees it."""
+class LeanBatch:
+    """One local step's minibatch, as a minibatch objective of :func:`local_sgd` sees it: the
+    step, the model's output and features, the lean trainer (not solvers/program.py's ``Batch``,
+    which a client program's update sees)."""
 
     step: int
     x: torch.Tensor
@@ -149,7 +164,7 @@ class Batch:
     """The trainer's module (e.g. to apply the head to other features: FedGen)."""
 
 
-BatchObjective = Callable[[Batch], torch.Tensor]
+BatchObjective = Callable[[LeanBatch], torch.Tensor]
 StepCallback = Callable[[int, LeanModule], None]
 """Called after each step with the number of steps done and the trainer (for snapshots)."""
 
@@ -172,11 +187,12 @@ def local_sgd(
     on_step: StepCallback | None = None,
     adamw: AdamW | None = None,
     moments: Moments | None = None,
+    augment: Augmentation | None = None,
 ) -> LocalSolution:
     """The one fast one-client SGD loop: steps w <- w - lr (grad L(w; batch) + correction(w))
     along ``plan``, L the model's loss or ``objective``.
 
-    - ``objective``: the minibatch objective (``Batch``: the step, the minibatch, the model's
+    - ``objective``: the minibatch objective (``LeanBatch``: the step, the minibatch, the model's
       output, the head's input when ``head`` names the head module); default the model's loss;
     - ``correction``: an extra gradient term at w (FedProx's proximal pull, SCAFFOLD's control
       variates), added after the backward pass;
@@ -186,6 +202,7 @@ def local_sgd(
       adaptation's keys);
     - ``adamw``: AdamW steps (solvers/adamw.py) on the same gradient instead of SGD's, from
       ``moments`` (default zero), which the solution returns; not with ``momentum``;
+    - ``augment``: the plan's train-time augmentation (``PlanMaker.augmentation``);
     - ``on_step(done, lean)`` after each step (snapshots).
 
     The inputs are not modified; buffers (BatchNorm statistics) evolve in training mode. Runs
@@ -214,13 +231,13 @@ def local_sgd(
     # one grad-mode switch for the loop, not two context managers a step: the updates below
     # touch only the flat buffers, which autograd does not track (the parameters are views)
     with hooked as store, torch.enable_grad():
-        for step, (xb, yb) in enumerate(minibatches(x, y, plan)):
+        for step, (xb, yb) in enumerate(minibatches(x, y, plan, augment)):
             flat_grad.zero_()
             out = lean.module(xb)
             if objective is None:
                 loss = model.loss_from_output(out, yb)
             else:
-                loss = objective(Batch(step, xb, yb, out, store.get("h"), lean))
+                loss = objective(LeanBatch(step, xb, yb, out, store.get("h"), lean))
             backward(loss)
             if correction is not None:  # a function of the views: no graph for it
                 with torch.no_grad():

@@ -5,7 +5,7 @@ client at a time::
 
     for each minibatch B of the plan:
         out, h = model(x_B), head input on x_B
-        loss   = objective(Batch(step, x_B, y_B, out, h))      # default: the model's loss
+        loss   = objective(LeanBatch(step, x_B, y_B, out, h))  # default: the model's loss
         w[k]  <- w[k] - lr * d loss / d w[k]    for k in ``trainable`` (default: all)
 
 Training objectives of that kind (FedNTD, FedLC, FedGen, FedProto) are client programs instead,
@@ -18,9 +18,9 @@ from torch import nn
 
 from fedloom.core.functional import FunctionalModel
 from fedloom.errors import ConfigError
-from fedloom.solvers.local import Batch, BatchObjective, StepCallback, local_sgd
+from fedloom.solvers.local import BatchObjective, LeanBatch, StepCallback, local_sgd
 
-__all__ = ["Batch", "BatchObjective", "StepCallback", "objective_sgd", "single_head"]
+__all__ = ["BatchObjective", "LeanBatch", "StepCallback", "objective_sgd", "single_head"]
 
 
 def single_head(model: FunctionalModel, algorithm: str) -> str:

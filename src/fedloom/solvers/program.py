@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from fedloom.data.augment import Augmentation, Augmenter
+
 if TYPE_CHECKING:
     from fedloom.core.functional import FunctionalModel
     from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -213,6 +215,11 @@ class ClientProgram:
 
     updates: tuple[Update, ...] = ()
 
+    augment: Augmenter | None = None
+    """The dataset's train-time augmentation (data/augment.py; set by the algorithm from its
+    context): every backend trains on each plan's minibatches augmented by the draws of
+    :meth:`augmentations`, so they all see the same samples."""
+
     takes_optimizer: ClassVar[bool] = False
     """Whether the program's local steps are ``train.optimizer``'s (SGD or AdamW,
     solvers/adamw.py); False: its steps are its own and ``train.optimizer: adamw`` is refused.
@@ -230,6 +237,17 @@ class ClientProgram:
     def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
         """The named minibatch plans of client ``task.client_id`` this round."""
         raise NotImplementedError
+
+    def augmentations(self, plans: dict[str, Plan], task: ClientTask) -> dict[str, Augmentation]:
+        """Each plan's augmentation draws for client ``task.client_id`` (stream (seed, round,
+        client, 'augment') for the round's plan ``batches``, 'augment/<name>' for the others);
+        empty without augmentation."""
+        if self.augment is None:
+            return {}
+        return {
+            name: self.augment.draw(plan.batches, name, task.round, task.client_id)
+            for name, plan in plans.items()
+        }
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         """The client's carry before its first step (fresh tensors the updates may replace)."""

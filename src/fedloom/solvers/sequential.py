@@ -51,6 +51,7 @@ def run_steps(
     end = max((p.end for p in plans.values()), default=0)
     x, y = task.data.x_train, task.data.y_train
     ones: dict[int, torch.Tensor] = {}
+    augments = program.augmentations(plans, task)
     with torch.no_grad():
         for s in range(first, end):
             for update in program.updates:
@@ -64,7 +65,10 @@ def run_steps(
                     n = idx.shape[0]
                     if n not in ones:
                         ones[n] = torch.ones(n)
-                    batches.append(Batch(x[idx], y[idx], ones[n]))
+                    xb = x[idx]
+                    if name in augments:
+                        xb = augments[name].step(xb, s - plan.start)
+                    batches.append(Batch(xb, y[idx], ones[n]))
                 if update.draw is not None:
                     lead_batch = batches[0]
                     draws = update.draw(streams[update.name])

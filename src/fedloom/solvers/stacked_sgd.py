@@ -22,6 +22,7 @@ from torch.func import vmap
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
+from fedloom.data.augment import Augmentation
 from fedloom.solvers.adamw import AdamW, Moments, adamw_stacked_
 from fedloom.solvers.program import Batch
 
@@ -97,14 +98,17 @@ def finetune_stacked(
     trainable: Collection[str] | None = None,
     chunk: int = 32,
     on_step: StepCallback | None = None,
+    augments: Sequence[Augmentation | None] | None = None,
 ) -> list[tuple[Tree, Tree]]:
     """Each client's model after SGD along its ``plan`` from its ``starts`` entry, on its own
     training data, ``chunk`` clients at a time (the same steps as
     :func:`~fedloom.solvers.objective_sgd.objective_sgd`, one client at a time). A client whose
     plan is shorter than the chunk's longest keeps its parameters after its last step.
     ``on_step(done, part, params)`` is called before the first step (``done`` 0) and after each
-    with the chunk's client indices and stacked parameters."""
+    with the chunk's client indices and stacked parameters. ``augments``: each plan's
+    train-time augmentation (data/augment.py), or None."""
     out: list[tuple[Tree, Tree]] = []
+    augments = augments if augments is not None else [None] * len(plans)
     for lo in range(0, len(starts), chunk):
         part = range(lo, min(lo + chunk, len(starts)))
         params = {k: torch.stack([starts[i][0][k] for i in part]) for k in starts[lo][0]}
@@ -113,7 +117,9 @@ def finetune_stacked(
             on_step(0, part, params)
         for s in range(steps):
             live = [i for i in part if s < len(plans[i])]
-            batch = _gathered([datas[i] for i in part], [plans[i] for i in part], s)
+            batch = _gathered(
+                [datas[i] for i in part], [plans[i] for i in part], s, [augments[i] for i in part]
+            )
             if len(live) == len(part):
                 stacked_sgd_step(model, params, batch, lr, trainable=trainable)
             else:  # a client whose plan has ended keeps its parameters: step the others
@@ -135,18 +141,24 @@ def finetune_stacked(
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
-def _gathered(datas: Sequence[ClientData], plans: Sequence[list[torch.Tensor]], step: int) -> Batch:
-    """Step ``step``'s minibatches of every client, padded to the widest with weight 0."""
+def _gathered(
+    datas: Sequence[ClientData],
+    plans: Sequence[list[torch.Tensor]],
+    step: int,
+    augments: Sequence[Augmentation | None],
+) -> Batch:
+    """Step ``step``'s minibatches of every client (augmented by ``augments``), padded to the
+    widest with weight 0."""
     picked = [p[step] if step < len(p) else _NO_ROWS for p in plans]
     width = max(max((int(b.shape[0]) for b in picked), default=1), 1)
     ref = datas[0]
     x = ref.x_train.new_zeros((len(datas), width, *ref.x_train.shape[1:]))
     y = ref.y_train.new_zeros((len(datas), width, *ref.y_train.shape[1:]))
     w = torch.zeros(len(datas), width)
-    for row, (d, idx) in enumerate(zip(datas, picked, strict=True)):
+    for row, (d, idx, aug) in enumerate(zip(datas, picked, augments, strict=True)):
         n = int(idx.shape[0])
         if n:
-            x[row, :n] = d.x_train[idx]
+            x[row, :n] = d.x_train[idx] if aug is None else aug.step(d.x_train[idx], step)
             y[row, :n] = d.y_train[idx]
             w[row, :n] = 1.0
     return Batch(x, y, w)

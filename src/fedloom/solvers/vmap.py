@@ -24,6 +24,7 @@ import torch
 from torch.func import vmap
 
 from fedloom.core.protocol import ClientData
+from fedloom.data.augment import augment_batch
 from fedloom.solvers.ops import FUNC, FUNC_IN_PLACE, FuncOps
 from fedloom.solvers.program import Batch, Carry, ClientProgram, ClientRun, Plan, Update
 from fedloom.solvers.sequential import draw_streams, finish_metrics, run_steps
@@ -148,11 +149,16 @@ class Arena:
         return all(self.clients.get(t.client_id) is t.data for t in tasks)
 
     def batch_index(
-        self, client_ids: list[int], plans: list[list[torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        client_ids: list[int],
+        plans: list[list[torch.Tensor]],
+        entries: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(steps, clients, width) arena rows and 0/1 sample weights for the chunk's plans
-        (padding rows point at row 0 with weight 0), and the (steps, clients) minibatch sizes
-        (0 where a client has no minibatch at step s)."""
+        (padding rows point at row 0 with weight 0), the (steps, clients) minibatch sizes
+        (0 where a client has no minibatch at step s), and ``entries`` (one row per plan entry,
+        the clients' plans concatenated: augmentation draws) laid out the same way
+        (steps, clients, width, k), zero at padding; None without ``entries``."""
         steps = [len(p) for p in plans]
         batches = [b for p in plans for b in p]
         lens = [b.shape[0] for b in batches]
@@ -160,8 +166,11 @@ class Arena:
         index = torch.zeros(max(steps, default=0), len(plans), width, dtype=torch.long)
         weight = torch.zeros(index.shape)
         sizes = torch.zeros(index.shape[:2], dtype=torch.long)
+        laid = None
+        if entries is not None:
+            laid = entries.new_zeros((*index.shape, *entries.shape[1:]))
         if not lens:
-            return index, weight, sizes
+            return index, weight, sizes, laid
         # one entry per minibatch: its step s and its client c, built with tensor ops (Python
         # lists of thousands of minibatches converted with torch.tensor were the slow part;
         # see benchmarks/README.md, Design measurements)
@@ -176,14 +185,18 @@ class Arena:
         if min(lens) == width:  # every minibatch full: one row of the index each
             index[step_of, client_of] = rows.view(-1, width) + offsets[client_of, None]
             weight[step_of, client_of] = 1.0
-            return index, weight, sizes
+            if laid is not None and entries is not None:
+                laid[step_of, client_of] = entries.view(-1, width, *entries.shape[1:])
+            return index, weight, sizes, laid
         starts = torch.cumsum(lengths, 0) - lengths
         s_idx = torch.repeat_interleave(step_of, lengths)
         c_idx = torch.repeat_interleave(client_of, lengths)
         j_idx = torch.arange(len(rows)) - torch.repeat_interleave(starts, lengths)
         index[s_idx, c_idx, j_idx] = rows + offsets[c_idx]
         weight[s_idx, c_idx, j_idx] = 1.0
-        return index, weight, sizes
+        if laid is not None and entries is not None:
+            laid[s_idx, c_idx, j_idx] = entries
+        return index, weight, sizes, laid
 
 
 Rows = slice | list[int]
@@ -210,6 +223,10 @@ class ChunkRunner:
         self.num = 0
         self.streams: list[dict[str, torch.Generator]] = []
         """Each chunk client's draw streams (``Update.draw``), continued across steps."""
+        self.augment_rows: dict[str, torch.Tensor] = {}
+        """Each plan's augmentation draws (steps, clients, width, 3) laid out like its arena
+        rows (data/augment.py); empty without augmentation."""
+        self._padding = program.augment.spec.crop_padding if program.augment else 0
 
     def run(
         self,
@@ -230,11 +247,16 @@ class ChunkRunner:
         ids = [t.client_id for t in tasks]
         index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         present: dict[str, torch.Tensor] = {}
+        augments = [program.augmentations(p, t) for p, t in zip(plans, tasks, strict=True)]
+        self.augment_rows = {}
         for name in plans[0]:
             padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
-            rows, weight, sizes = self.arena.batch_index(ids, padded)
+            draws = torch.cat([a[name].params for a in augments]) if augments[0] else None
+            rows, weight, sizes, laid = self.arena.batch_index(ids, padded, draws)
             index[name] = (rows.to(dev), weight.to(dev), sizes)
             present[name] = plan_presence(plans, name, sizes.shape[0])
+            if laid is not None:
+                self.augment_rows[name] = laid.to(dev)
         self.streams = (
             [draw_streams(program, t) for t in tasks]
             if any(u.draw is not None for u in program.updates)
@@ -313,6 +335,9 @@ class ChunkRunner:
             x_buf, y_buf = buffers[name]
             xb = torch.index_select(arena.x, 0, flat, out=x_buf[:n])
             yb = torch.index_select(arena.y, 0, flat, out=y_buf[:n])
+            if name in self.augment_rows:  # the same draws as the sequential backend's
+                draws = self.augment_rows[name][s, rows, :width].reshape(n, -1)
+                xb = augment_batch(xb, draws, self._padding)
             batches.append(
                 (
                     xb.view(*picked.shape, *arena.x.shape[1:]),

@@ -8,9 +8,9 @@ algorithm.name: {kind: categorical, choices: [fedavg, fedprox]}
 
 Each key is a ``--set``-style path into the run config (``algorithm.mu``, ``data.partition.alpha``
 ...); a trial's values are applied to the base config exactly as ``--set`` overrides are
-(``fedloom.config.apply_overrides``), so a categorical ``algorithm.name`` starts a fresh algorithm
-section. Every key is checked against the config before the first trial: a typo or a value the
-config rejects is a ``ConfigError`` naming the key.
+(``fedloom.config.apply_overrides``), so a categorical ``algorithm.name`` keeps the base config's
+algorithm keys (each must be a key of every choice). Every key is checked against the config
+before the first trial: a typo or a value the config rejects is a ``ConfigError`` naming the key.
 """
 
 from __future__ import annotations

@@ -29,10 +29,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedloom.config import CheckpointConfig, load_yaml
+from fedloom.config import load_yaml
 from fedloom.core.settings import Seed
 from fedloom.core.validation import check_int64, format_validation_error
 from fedloom.errors import ConfigError, unknown_name_message
+from fedloom.run_config.train import CheckpointConfig
 
 
 class _Strict(BaseModel):

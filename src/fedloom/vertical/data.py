@@ -47,10 +47,6 @@ class VerticalData:
     columns: list[tuple[int, int]] = field(default_factory=list)
     y_scale: tuple[float, float] | None = None
 
-    @property
-    def num_parties(self) -> int:
-        return len(self.train_parts)
-
     @classmethod
     def from_arrays(
         cls,

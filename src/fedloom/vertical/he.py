@@ -483,11 +483,6 @@ class PaillierBackend(HEBackend):
 BackendFactory = Callable[[Channel], HEBackend]
 
 
-def ciphertext_count(a: EncryptedArray) -> int:
-    """Number of ciphertexts (entries) in ``a``."""
-    return int(np.prod(a.shape)) if a.shape else 1
-
-
 __all__ = [
     "Ciphertext",
     "EncryptedArray",

@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from fedloom.engine.loop import RunResult
-from fedloom.engine.shell import RunShell, base_summary
+from fedloom.engine.shell import RunShell, base_summary, releasing_locks
 from fedloom.errors import ConfigError
 from fedloom.vertical.config import (
     FTLConfig,
@@ -128,6 +128,7 @@ def traffic(channel: Channel) -> dict[str, Any]:
     }
 
 
+@releasing_locks()  # the run directory is free again when the run ends, or fails
 def run_vertical(
     config: Any = None,
     *,

@@ -298,6 +298,3 @@ class SecureBoost:
             "num_class": self.objective.num_class,
             "trees": [t.to_dict() for t in self.trees_],
         }
-
-    def host_models(self) -> list[dict[str, Any]]:
-        return [h.to_dict() for h in self.hosts_]

@@ -1,62 +1,23 @@
-"""Poisoning attacks and robust aggregation in runs: the robustness setting of docs/security.md
-on Fashion-MNIST, the backdoor, the poisoning transforms, executors, resume and config errors."""
+"""Poisoning attacks (fedloom.attacks) in runs: the backdoor against the mean and the median, the
+malicious set, the label and model poisoning transforms, and config errors."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
 import fedloom
+from fedloom.attacks.config import AttackConfig
 from fedloom.attacks.data import apply_trigger, poison_client
 from fedloom.attacks.selection import malicious_clients
 from fedloom.attacks.updates import ModelPoisoning
-from fedloom.config import AttackConfig, parse_config
+from fedloom.config import parse_config
 from fedloom.core.protocol import ClientData
 from fedloom.errors import ConfigError
-from tests.engine.test_executor_equivalence import assert_same
 from tests.resume import killed_and_resumed
-
-
-def fmnist(attack: dict[str, Any], aggregator: str, rounds: int = 10) -> dict[str, Any]:
-    """The robustness setting of docs/security.md: Fashion-MNIST softmax regression, IID, 50
-    clients of 1,200 samples, all in every round, 10 malicious, 1 local epoch of SGD at lr
-    0.1, batch 50."""
-    return {
-        "seed": 0,
-        "data": {"name": "fashion_mnist", "num_clients": 50, "partition": {"kind": "iid"}},
-        "model": {"name": "logreg"},
-        "algorithm": {"name": "fedavg"},
-        "train": {"rounds": rounds, "local_epochs": 1, "batch_size": 50, "lr": 0.1},
-        "eval": {"every": rounds},
-        "monitor": {"enabled": False},
-        "executor": {"kind": "vectorized"},
-        "attack": attack,
-        "aggregator": {
-            "kind": aggregator,
-            **({"beta": 0.2} if aggregator == "trimmed_mean" else {}),
-        },
-    }
-
-
-def accuracy(config: dict[str, Any]) -> float:
-    result = fedloom.run(config, write=False, progress=False)
-    return result.summary["final"]["global"]["accuracy"]
-
-
-@pytest.mark.heavy(budget=120)  # 11 runs of that setting: 48 s on a loaded 2-core machine
-def test_robust_rules_survive_what_breaks_fedavg():
-    """Attacks against robust rules at 10 rounds (measured: clean 0.803; scale x50 0.405 and
-    sign flip x4 0.110 under the mean; median, trimmed mean and Multi-Krum 0.799-0.806; Krum
-    0.779-0.793)."""
-    clean = accuracy(fmnist({"kind": "none"}, "mean"))
-    for attack in ({"kind": "scale", "scale": 50.0}, {"kind": "sign_flip", "scale": 4.0}):
-        assert accuracy(fmnist(dict(attack), "mean")) <= clean - 0.25
-        for rule in ("median", "trimmed_mean", "multi_krum"):
-            assert abs(accuracy(fmnist(dict(attack), rule)) - clean) <= 0.015, (attack, rule)
-        assert abs(accuracy(fmnist(dict(attack), "krum")) - clean) <= 0.04
+from tests.robust.poisoned_runs import digits, fmnist
 
 
 def test_a_backdoor_succeeds_under_the_mean_and_not_under_the_median():
@@ -70,46 +31,6 @@ def test_a_backdoor_succeeds_under_the_mean_and_not_under_the_median():
     assert mean["backdoor_success"] >= 0.3 and median["backdoor_success"] <= 0.05
     assert mean["benign_global"]["accuracy"] >= 0.78
     assert len(runs["mean"].summary["attack"]["malicious"]) == 10
-
-
-def digits(attack: dict[str, Any], aggregator: dict[str, Any], **train: Any) -> dict[str, Any]:
-    return {
-        "seed": 1,
-        "data": {"name": "digits", "num_clients": 12, "partition": {"kind": "iid"}},
-        "model": {"name": "mlp"},
-        "algorithm": {"name": "fedavg"},
-        "train": {
-            "rounds": 3,
-            "clients_per_round": 11,
-            "local_epochs": 1,
-            "batch_size": 16,
-            "lr": 0.05,
-            **train,
-        },
-        "eval": {"every": 1},
-        "executor": {"kind": "sequential"},
-        "attack": attack,
-        "aggregator": aggregator,
-    }
-
-
-RULES = [
-    {"kind": "median"},
-    {"kind": "trimmed_mean", "beta": 0.2},
-    {"kind": "krum", "f": 2},
-    {"kind": "multi_krum", "f": 2},
-    {"kind": "bulyan", "f": 2},
-    {"kind": "norm_clip", "noise": 0.01},
-]
-
-
-@pytest.mark.parametrize("rule", RULES, ids=[r["kind"] for r in RULES])
-def test_every_rule_gives_the_same_run_on_every_executor(rule):
-    config = digits({"kind": "sign_flip", "fraction": 0.2}, dict(rule))
-    seq = fedloom.run(config, write=False, progress=False)
-    for executor in ({"kind": "vectorized", "chunk_size": 4}, {"kind": "sequential", "workers": 2}):
-        other = fedloom.run({**config, "executor": executor}, write=False, progress=False)
-        assert_same(seq, other)
 
 
 def test_the_malicious_set_is_the_same_on_resume(tmp_path):
@@ -203,11 +124,3 @@ def test_settings_it_cannot_honour_are_config_errors(changes, message):
     config = {**digits({"kind": "none"}, {"kind": "mean"}), **changes}
     with pytest.raises(ConfigError, match=message):
         parse_config(config)
-
-
-def test_a_round_below_a_rules_precondition_is_skipped_not_a_crash():
-    """Krum with f = 4 needs 11 clients: with 30% dropout some rounds have 8, and keep the
-    model; the run finishes and counts them."""
-    config = digits({"kind": "none"}, {"kind": "krum", "f": 4}, dropout=0.3)
-    result = fedloom.run(config, write=False, progress=False)
-    assert result.summary["aggregator"]["rounds_skipped"] == 3
