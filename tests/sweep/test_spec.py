@@ -57,6 +57,19 @@ def test_every_cell_is_validated_before_anything_runs(tmp_path, grid, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_base_key_the_cells_algorithm_lacks_is_exit_2_before_anything_runs(tmp_path):
+    base = {**BASE, "algorithm": {"name": "fedprox", "mu": 0.5}}
+    spec = write_spec(tmp_path, base=base, grid={"algorithm.name": ["fedprox", "fedavg"]})
+    done = invoke(spec, tmp_path / "out")
+    assert done.exit_code == 2, done.output
+    message = (
+        "cell algorithm.name=fedavg (seed 0): algorithm.mu: not a key of algorithm 'fedavg' "
+        "(written in the sweep's base)"
+    )
+    assert message in done.output.replace("\n", " ")
+    assert not (tmp_path / "out").exists()
+
+
 def test_cells_are_the_grid_product_in_spec_order(tmp_path):
     base = {**BASE, "algorithm": {"name": "fedprox", "mu": 0.5}}
     grid = {"algorithm.name": ["fedprox", "ditto"], "train.lr": [0.1, 0.01, 1]}
@@ -73,8 +86,8 @@ def test_cells_are_the_grid_product_in_spec_order(tmp_path):
     prox, ditto = sweep.config(cells[1], 3), sweep.config(cells[5], 1)
     assert prox["algorithm"] == {"name": "fedprox", "mu": 0.5} and prox["seed"] == 3
     assert prox["train"]["lr"] == 0.01
-    # another algorithm starts a fresh section, as --set algorithm.name=ditto does
-    assert ditto["algorithm"] == {"name": "ditto"} and ditto["train"]["lr"] == 1
+    # another algorithm keeps what base wrote, as --set algorithm.name=ditto does (Ditto's mu)
+    assert ditto["algorithm"] == {"name": "ditto", "mu": 0.5} and ditto["train"]["lr"] == 1
     assert ditto["seed"] == 1 and base["algorithm"] == {"name": "fedprox", "mu": 0.5}
     sweep.validate()
     one = parse_spec({"base": BASE, "seeds": [0]}, "spec", tmp_path).cells()

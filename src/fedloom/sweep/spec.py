@@ -12,7 +12,8 @@ seeds: [0, 1, 2]
 The grid is the cartesian product of its lists, in the order the keys are listed (the first
 key varies slowest). Each cell's values are applied to the base config as ``--set`` overrides
 are (``fedloom.config.apply_overrides``, through ``fedloom.tune.space.apply_params``), so a cell
-with another ``algorithm.name`` starts a fresh algorithm section; each seed sets ``seed``.
+with another ``algorithm.name`` keeps the base's algorithm keys, each of which must be one of
+the new algorithm's (docs/inputs.md); each seed sets ``seed``.
 Every cell's config, for every seed, is validated before anything runs.
 """
 
@@ -28,12 +29,12 @@ from typing import Annotated, Any
 from pydantic import Field, StrictInt, ValidationError, field_validator
 
 from fedloom.api import resolve_defaults, run_kind
-from fedloom.config import RunConfig, load_yaml, parse_config
+from fedloom.config import RunConfig, apply_overrides, load_yaml, parse_config
 from fedloom.core.settings import StrictModel
 from fedloom.core.validation import format_validation_error
 from fedloom.errors import ConfigError
 from fedloom.models import MODELS
-from fedloom.tune.space import apply_params, override_items
+from fedloom.tune.space import override_items
 
 NAME_LIMIT = 100
 """The longest cell directory name; a longer one is cut and given a hash of its values."""
@@ -97,15 +98,22 @@ class Sweep:
         return [Cell(i, n, v) for i, (n, v) in enumerate(zip(names, combos, strict=True))]
 
     def config(self, cell: Cell, seed: int) -> dict[str, Any]:
-        """The raw config of ``cell`` at ``seed``."""
-        return apply_params(self.base, {**cell.values, "seed": seed})
+        """The raw config of ``cell`` at ``seed`` (ConfigError when a key ``base`` wrote is not
+        one of the cell's algorithm, dataset or partition)."""
+        items = override_items({**cell.values, "seed": seed})
+        return apply_overrides(self.base, items, written_in="the sweep's base")
 
     def validate(self) -> None:
         """ConfigError naming the cell and key when any cell's config, at any seed, is
         invalid."""
         for cell in self.cells():
             for seed in self.seeds:
-                check_cell_config(self.config(cell, seed), f"cell {cell.name} (seed {seed})")
+                where = f"cell {cell.name} (seed {seed})"
+                try:
+                    raw = self.config(cell, seed)
+                except ConfigError as err:
+                    raise ConfigError(f"{where}: {err}") from None
+                check_cell_config(raw, where)
 
 
 def _product(grid: dict[str, list[Any]]) -> list[tuple[Any, ...]]:
