@@ -22,7 +22,9 @@ ALGORITHMS = ["fedavg", "ditto", "fedrep", "fedper", "apfl", "pfedme", "perfedav
 )
 def test_pfllib_protocol_specs(file, dataset):
     sweep = load_spec(EXAMPLES / file)
-    assert sweep.grid == {"algorithm.name": ALGORITHMS} and sweep.seeds == [0, 1, 2]
+    assert list(sweep.grid) == ["algorithm"] and sweep.seeds == [0, 1, 2]
+    assert [section["name"] for section in sweep.grid["algorithm"]] == ALGORITHMS
+    assert {"name": "pfedme", "inner_lr": 0.01} in sweep.grid["algorithm"]  # PFLlib's -lrp
     base = sweep.base
     assert base["data"] == {
         "name": dataset,
