@@ -44,3 +44,21 @@ def test_pfllib_protocol_specs(file, dataset):
     data = dict(base["data"], name=dataset if dataset in DATASETS.names() else "fashion_mnist")
     model = {"name": "cnn4" if "cnn4" in MODELS.names() else "cnn"}
     Sweep({**base, "data": data, "model": model}, sweep.grid, sweep.seeds).validate()
+
+
+def test_the_cpu_measurement_is_the_fmnist_protocol_at_two_rounds_on_both_skews():
+    """pfllib_fmnist_cpu.yaml, the table of docs/benchmarks.md: PFLlib's Fashion-MNIST protocol
+    but for its rounds, over both label skews, every cell valid."""
+    short, full = (
+        load_spec(EXAMPLES / "pfllib_fmnist_cpu.yaml"),
+        load_spec(EXAMPLES / "pfllib_fmnist_dir01.yaml"),
+    )
+    assert short.grid["algorithm"] == full.grid["algorithm"] and short.seeds == full.seeds
+    assert short.grid["data.partition"] == [
+        {"kind": "dirichlet", "alpha": 0.1},
+        {"kind": "pathological", "classes_per_client": 2},
+    ]
+    assert short.base["train"] == {**full.base["train"], "rounds": 2}
+    assert short.base["data"] == {k: v for k, v in full.base["data"].items() if k != "partition"}
+    assert short.base["model"] == full.base["model"]
+    short.validate()
