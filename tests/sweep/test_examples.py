@@ -1,6 +1,5 @@
-"""examples/sweeps: PFLlib's leaderboard protocol (docs/benchmarks.md) as sweep files. Their
-structure is checked here, and every cell's config validated with the dataset and model
-replaced by registered ones where this checkout lacks them (cnn4, cifar10 come separately)."""
+"""examples/sweeps: PFLlib's leaderboard protocol (docs/benchmarks.md) as sweep files: their
+structure, and every cell's config validated as `fedloom sweep` does before it runs anything."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import pytest
 
 from fedloom.data.spec import DATASETS
 from fedloom.models import MODELS
-from fedloom.sweep import Sweep, load_spec
+from fedloom.sweep import load_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sweeps"
 ALGORITHMS = ["fedavg", "ditto", "fedrep", "fedper", "apfl", "pfedme", "perfedavg"]
@@ -26,7 +25,9 @@ def test_pfllib_protocol_specs(file, dataset):
     assert [section["name"] for section in sweep.grid["algorithm"]] == ALGORITHMS
     assert {"name": "pfedme", "inner_lr": 0.01} in sweep.grid["algorithm"]  # PFLlib's -lrp
     base = sweep.base
+    pooled = {"cifar10": {"pool": "all"}} if dataset == "cifar10" else {}  # PFLlib pools both
     assert base["data"] == {
+        **pooled,
         "name": dataset,
         "num_clients": 20,
         "partition": {"kind": "dirichlet", "alpha": 0.1},
@@ -41,9 +42,8 @@ def test_pfllib_protocol_specs(file, dataset):
         "lr": 0.005,
     }
     assert base["eval"]["every"] == 1  # the best round needs every round evaluated
-    data = dict(base["data"], name=dataset if dataset in DATASETS.names() else "fashion_mnist")
-    model = {"name": "cnn4" if "cnn4" in MODELS.names() else "cnn"}
-    Sweep({**base, "data": data, "model": model}, sweep.grid, sweep.seeds).validate()
+    assert dataset in DATASETS.names() and base["model"]["name"] in MODELS.names()
+    sweep.validate()
 
 
 def test_the_cpu_measurement_is_the_fmnist_protocol_at_two_rounds_on_both_skews():

@@ -9,6 +9,7 @@ checks when missing unless ``FEDLOOM_OFFLINE=1``.
 
 from fedloom.data import (  # noqa: F401  (registration side effects)
     bbc_news,
+    cifar,
     digits,
     femnist,
     mnist,
@@ -18,6 +19,7 @@ from fedloom.data import (  # noqa: F401  (registration side effects)
     quadratic,
     shakespeare,
     synthetic,
+    tinyimagenet,
 )
 from fedloom.data.federated import ClientData, FederatedData, from_arrays
 from fedloom.data.load import default_root, load_dataset, resolve_data_config

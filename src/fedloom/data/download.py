@@ -75,8 +75,15 @@ KNOWN_FILES: dict[str, KnownFile] = {
     ),
 }
 
-# (resolved path, size, mtime_ns) -> sha256 of files already hashed in this process.
-_HASH_CACHE: dict[tuple[str, int, int], str] = {}
+_LABELS = {"sha256": "SHA-256", "md5": "MD5"}
+
+
+def _label(algorithm: str) -> str:
+    return _LABELS.get(algorithm, algorithm)
+
+
+# (resolved path, size, mtime_ns, algorithm) -> digest of files already hashed in this process.
+_HASH_CACHE: dict[tuple[str, int, int, str], str] = {}
 
 
 def offline() -> bool:
@@ -84,12 +91,13 @@ def offline() -> bool:
     return os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def sha256_of(path: Path) -> str:
-    """SHA-256 of ``path``, cached by (path, size, mtime) so repeated loads hash once."""
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    """The ``algorithm`` digest (hashlib's name: sha256, md5) of ``path``, cached by (path,
+    size, mtime) so repeated loads hash once."""
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, algorithm)
     if key not in _HASH_CACHE:
-        digest = hashlib.sha256()
+        digest = hashlib.new(algorithm)
         with path.open("rb") as f:
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
@@ -97,30 +105,37 @@ def sha256_of(path: Path) -> str:
     return _HASH_CACHE[key]
 
 
-def verify(path: Path, expected: str) -> None:
-    """DataError (naming the file and both hashes) unless ``path`` has SHA-256 ``expected``."""
-    actual = sha256_of(path)
+def sha256_of(path: Path) -> str:
+    """SHA-256 of ``path`` (:func:`file_digest`)."""
+    return file_digest(path)
+
+
+def verify(path: Path, expected: str, algorithm: str = "sha256") -> None:
+    """DataError (naming the file and both digests) unless ``path``'s ``algorithm`` digest is
+    ``expected``."""
+    actual = file_digest(path, algorithm)
     if actual != expected:
         raise DataError(
-            f"checksum mismatch for {path}: expected SHA-256 {expected}, got {actual}. "
+            f"checksum mismatch for {path}: expected {_label(algorithm)} {expected}, got {actual}. "
             "The file is corrupt or a different version; delete it to download it again."
         )
 
 
-def _download(url: str, target: Path, expected: str) -> None:
-    """Fetch ``url`` to ``target`` atomically (temp file in the same folder, then rename)."""
+def download(url: str, target: Path, expected: str, algorithm: str = "sha256") -> None:
+    """Fetch ``url`` to ``target`` atomically (temp file in the same folder, renamed once its
+    ``algorithm`` digest is ``expected``)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
     tmp = Path(tmp_name)
     try:
-        digest = hashlib.sha256()
+        digest = hashlib.new(algorithm)
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp:
             while chunk := resp.read(_CHUNK):
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != expected:
             raise DataError(
-                f"checksum mismatch for {url}: expected SHA-256 {expected}, "
+                f"checksum mismatch for {url}: expected {_label(algorithm)} {expected}, "
                 f"got {digest.hexdigest()}; not saved to {target}"
             )
         os.replace(tmp, target)
@@ -144,7 +159,7 @@ def ensure_files(
             if known is None:
                 continue
             try:
-                _download(known.url, root / rel, known.sha256)
+                download(known.url, root / rel, known.sha256)
                 missing.remove(rel)
             except DataError:
                 raise
