@@ -23,7 +23,7 @@ DEFAULT_CLIENTS = 20
 class ImageOptions(BaseModel):
     """``data.<name>``: the standard preprocessing of a colour-image dataset."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
     normalize: bool = True
     """Subtract the dataset's published per-channel mean and divide by its std (after /255)."""
