@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from fedloom.errors import ConfigError, FedloomInputError, closest
+from fedloom.errors import ConfigError, FedloomInputError, clipped, closest
 
 _UNION_TAGS = {"count", "distribution"}
 """Branch tags pydantic puts into error locations; not keys, so dropped from messages."""
@@ -51,7 +51,7 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], prefix
         else:
             msg = e["msg"].removeprefix("Value error, ")
             value = e.get("input")
-            shown = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
+            shown = f" (got {clipped(repr(value))})" if not isinstance(value, dict) and value is not None else ""
             lines.append(f"{key}: {msg}{shown}")
     return "; ".join(lines)
 
@@ -69,7 +69,9 @@ def check_int64(raw: Any, prefix: str = "") -> None:
         for value in raw:
             check_int64(value, prefix)
     elif isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > INT64_MAX:
-        raise ConfigError(f"{prefix.rstrip('.')}: {raw} is too large (at most 2^63 - 1)")
+        raise ConfigError(
+            f"{prefix.rstrip('.')}: {clipped(str(raw))} is too large (at most 2^63 - 1)"
+        )
 
 
 MAX_CONFIG_NODES = 100_000
