@@ -12,6 +12,8 @@ import yaml
 
 from fedloom.config import EMPTY_CONFIG, apply_overrides, load_yaml, parse_config
 from fedloom.core.yaml_text import DuplicateKeyError, load_yaml_text
+from fedloom.data.config import validate
+from fedloom.data.partition import PARTITIONS
 from fedloom.errors import SHOWN_CHARS, ConfigError, clipped
 from fedloom.sweep.spec import load_spec
 from fedloom.tune.space import load_space
@@ -35,7 +37,7 @@ def with_(section: str, key: str, value: object) -> dict:
         ("data", "num_clients", True, "valid integer"),
         ("serving", "keep_best", 1, "valid boolean"),
         ("serving", "keep_best", "yes", "valid boolean"),
-        ("algorithm", "name", 1, "algorithm.name"),
+        ("eval", "every", "1", "valid integer"),
     ],
 )
 def test_a_value_of_another_type_is_refused_naming_the_key(section, key, value, words):
@@ -50,7 +52,6 @@ def test_a_value_of_another_type_is_refused_naming_the_key(section, key, value, 
     ("path", "value", "words"),
     [
         (("algorithm",), {"name": "fedprox", "mu": True}, "algorithm.mu"),
-        (("data", "quadratic", "dim"), True, "data.quadratic.dim"),
         (("train", "optimizer"), {"kind": "adamw", "betas": [True, 0.9]}, "betas"),
     ],
 )
@@ -62,6 +63,20 @@ def test_nested_sections_and_algorithm_configs_are_strict_too(path, value, words
     node[path[-1]] = value
     with pytest.raises(ConfigError, match=words):
         parse_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "words"),
+    [
+        ("dirichlet", {"alpha": "0.3"}, "data.partition.alpha: input should be a valid number"),
+        ("dirichlet", {"alpha": True}, "data.partition.alpha: input should be a valid number"),
+        ("shards", {"shards_per_client": 2.0}, "data.partition.shards_per_client"),
+    ],
+)
+def test_partitions_are_strict(kind, value, words):
+    with pytest.raises(ConfigError, match=words):
+        validate(PARTITIONS.get(kind), {"kind": kind, **value}, "data.partition")
+    assert validate(PARTITIONS.get("dirichlet"), {"alpha": 1}, "data.partition").alpha == 1.0
 
 
 def test_ints_for_floats_and_lists_for_tuples_still_load():
@@ -77,7 +92,7 @@ def test_ints_for_floats_and_lists_for_tuples_still_load():
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("1e-3", 0.001), ("2E5", 200000.0), ("-1.5e+2", -150.0), ("1.0e-8", 1e-8), ("10", 10)],
+    [("1e-3", 0.001), ("2E5", 200000.0), ("1.5e+2", 150.0), ("1.0e-8", 1e-8), ("10", 10)],
 )
 def test_exponent_notation_is_a_float_and_a_quoted_one_a_string(text, value):
     parsed = load_yaml_text(text)
@@ -94,6 +109,8 @@ def test_exponent_notation_is_a_float_and_a_quoted_one_a_string(text, value):
         ('train.lr="0.05"', "train.lr", "valid number (got '0.05')"),
         ("data.num_clients=true", "data.num_clients", "valid integer (got True)"),
         ("eval.every=yes", "eval.every", "valid integer (got True)"),
+        ("data.quadratic.dim=true", "data.quadratic.dim", "valid integer, got True"),
+        ("data.quadratic.noise='0.1'", "data.quadratic.noise", "valid number, got '0.1'"),
     ],
 )
 def test_cli_set_of_the_wrong_type_is_exit_2_naming_the_key(tmp_path, override, key, words):
@@ -108,7 +125,7 @@ DUPLICATES = [
     ("seed: 0\ntrain:\n  rounds: 2\n  lr: 0.1\n  rounds: 3\n", "train.rounds", 3, 5),
     ("seed: 0\nseed: 1\n", "seed", 1, 2),
     ("data:\n  partition: {kind: dirichlet, kind: iid}\n", "data.partition.kind", 2, 2),
-    ("grid:\n  - {a: 1}\n  - a: 1\n    b: 2\n    a: 3\n", "grid.a", 4, 6),
+    ("grid:\n  - {a: 1}\n  - a: 1\n    b: 2\n    a: 3\n", "grid.a", 3, 5),
     ("1: x\n1.0: y\n", "1.0", 1, 2),
 ]
 
