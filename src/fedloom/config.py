@@ -35,8 +35,8 @@ from fedloom.attacks.config import AttackConfig
 from fedloom.compression.config import CompressionConfig
 from fedloom.core.files import one_line
 from fedloom.core.settings import Seed, StrictModel
-from fedloom.core.yaml_text import DuplicateKeyError, load_yaml_text
 from fedloom.core.validation import check_int64, check_plain_tree, format_validation_error
+from fedloom.core.yaml_text import DuplicateKeyError, load_yaml_text
 from fedloom.data.partition import PARTITIONS
 from fedloom.errors import ConfigError, clipped
 from fedloom.incentives.config import EXACT_SHAPLEY_MAX, ContributionConfig, IncentiveConfig
@@ -438,7 +438,9 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
     if "kind" in raw:  # the run family (fedloom.api.run_kind): this parser's is horizontal
         if raw["kind"] != "horizontal":
-            raise ConfigError(f"kind: {clipped(repr(raw['kind']))} is not a horizontal run's config")
+            raise ConfigError(
+                f"kind: {clipped(repr(raw['kind']))} is not a horizontal run's config"
+            )
         raw = {k: v for k, v in raw.items() if k != "kind"}
     check_int64(raw)
     try:

@@ -51,7 +51,11 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], prefix
         else:
             msg = e["msg"].removeprefix("Value error, ")
             value = e.get("input")
-            shown = f" (got {clipped(repr(value))})" if not isinstance(value, dict) and value is not None else ""
+            shown = (
+                f" (got {clipped(repr(value))})"
+                if not isinstance(value, dict) and value is not None
+                else ""
+            )
             lines.append(f"{key}: {msg}{shown}")
     return "; ".join(lines)
 

@@ -75,11 +75,9 @@ class ConfigLoader(yaml.SafeLoader):
 
 
 ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
-ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789")
-)
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
 def load_yaml_text(text: str) -> Any:
     """``text`` parsed as config YAML (``ConfigLoader``); raises ``yaml.YAMLError``."""
-    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader)
+    return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: no Python objects

@@ -130,7 +130,9 @@ def parse_space(raw: Any, where: str = "space") -> SearchSpace:
         )
     for key, dist in raw.items():
         if not isinstance(key, str) or not key or any(not k for k in key.split(".")):
-            raise ConfigError(f"{where}: {clipped(repr(key))} is not a dotted config key (train.lr)")
+            raise ConfigError(
+                f"{where}: {clipped(repr(key))} is not a dotted config key (train.lr)"
+            )
         if not isinstance(dist, dict) or dist.get("kind") not in ("float", "int", "categorical"):
             raise ConfigError(
                 f"{where}: {key}: expected a mapping with kind: float | int | categorical, "

@@ -37,7 +37,9 @@ from fedloom.run_config.train import CheckpointConfig
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False, strict=True, validate_assignment=True
+    )
 
 
 class VerticalPartition(_Strict):
