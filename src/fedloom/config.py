@@ -36,7 +36,7 @@ from fedloom.compression.config import CompressionConfig
 from fedloom.core.files import one_line
 from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, check_plain_tree, format_validation_error
-from fedloom.core.yaml_text import DuplicateKeyError, load_yaml_text
+from fedloom.core.yaml_text import DuplicateKeyError, dump_yaml_text, load_yaml_text
 from fedloom.data.partition import PARTITIONS
 from fedloom.errors import ConfigError, clipped
 from fedloom.incentives.config import EXACT_SHAPLEY_MAX, ContributionConfig, IncentiveConfig
@@ -127,7 +127,7 @@ class RunConfig(StrictModel):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml_text(self.to_dict(), sort_keys=False)
 
 
 # -- the rules between sections ------------------------------------------------------------

@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from fedloom.config import EMPTY_CONFIG, apply_overrides, load_yaml, parse_config
-from fedloom.core.yaml_text import DuplicateKeyError, load_yaml_text
+from fedloom.core.yaml_text import DuplicateKeyError, dump_yaml_text, load_yaml_text
 from fedloom.data.config import validate
 from fedloom.data.partition import PARTITIONS
 from fedloom.errors import SHOWN_CHARS, ConfigError, clipped
 from fedloom.sweep.spec import load_spec
-from fedloom.tune.space import load_space
+from fedloom.tune.space import load_space, override_items
 from tests.cli.invoke import QUADRATIC, fedloom, write_yaml
 
 
@@ -221,3 +221,12 @@ def test_a_long_value_in_a_file_is_cut(tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_config(load_yaml(Path(config)))
     assert len(str(err.value)) < 200 and "..." in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["1e5", "2E-3", {"name": "1.5e+2", "lr": 1e-5}, ["1e1", 1e300]])
+def test_what_fedloom_writes_reads_back_as_it_was(value):
+    text = dump_yaml_text(value)
+    assert load_yaml_text(text) == value
+    assert override_items({"tracking.name": "1e5"}) == ["tracking.name='1e5'"]
+    raw = apply_overrides(QUADRATIC, override_items({"train.lr": 2e-3}))
+    assert raw["train"]["lr"] == 0.002

@@ -74,10 +74,23 @@ class ConfigLoader(yaml.SafeLoader):
         return children
 
 
+class ConfigDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes a string ``ConfigLoader`` would read as a float
+    (``"1e5"``), so that what fedloom writes (config.yaml, the ``--set`` items of a trial or a
+    sweep cell) reads back as it was."""
+
+
 ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
-ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+for _cls in (ConfigLoader, ConfigDumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
 def load_yaml_text(text: str) -> Any:
     """``text`` parsed as config YAML (``ConfigLoader``); raises ``yaml.YAMLError``."""
     return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: no Python objects
+
+
+def dump_yaml_text(value: Any, **options: Any) -> str:
+    """``value`` (plain data) as YAML that ``load_yaml_text`` reads back equal
+    (``ConfigDumper``); ``options`` as ``yaml.safe_dump``'s."""
+    return yaml.dump(value, Dumper=ConfigDumper, **options)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationErro
 
 from fedloom.config import apply_overrides, load_yaml, parse_config
 from fedloom.core.validation import format_validation_error
+from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, clipped
 
 Scalar = bool | int | float | str | None
@@ -154,10 +155,8 @@ def load_space(path: str | Path) -> SearchSpace:
 
 def override_items(params: dict[str, Scalar]) -> list[str]:
     """A trial's values as ``--set`` items (values written as YAML flow scalars)."""
-    import yaml
-
     return [
-        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+        f"{k}={dump_yaml_text(v, default_flow_style=True).strip().removesuffix('...').strip()}"
         for k, v in params.items()
     ]
 
