@@ -216,6 +216,23 @@ def test_error_lines_cut_long_values(tmp_path, override, words):
     assert len(out.stderr) < 700, out.stderr[:700]
 
 
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (with_("train", "rounds", 10**5000), "train.rounds: 16,610 bits is too large"),
+        (with_("train", "rounds", 10**100), "train.rounds: 1000000000"),
+        (with_("train", "k" * HUGE, 1), "train.kkkk"),
+        (with_("eval", "adaptation_steps", [True] * HUGE), "eval.adaptation_steps.4: Input"),
+        (with_("eval", "adaptation_steps", [True] * HUGE), "; and 99,995 more"),
+    ],
+)
+def test_python_api_errors_cut_long_values_and_keys(raw, words):
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert words in str(err.value)
+    assert len(str(err.value)) < 2000
+
+
 def test_a_long_value_in_a_file_is_cut(tmp_path):
     config = write_yaml(tmp_path / "q.yaml", with_("train", "lr", "x" * HUGE))
     with pytest.raises(ConfigError) as err:
