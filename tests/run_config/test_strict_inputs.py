@@ -203,7 +203,7 @@ HUGE = 100_000
         ("train.lr=" + "x" * HUGE, "train.lr: Input should be a valid number (got 'xxx"),
         ("train.rounds=" + "9" * HUGE, "an integer of 100000 digits is too large"),
         ("seed=" + "9" * 4000, "seed: 999"),
-        ("train.lr=[" + "1, " * (HUGE // 3) + "1]", "train.lr"),
+        ("train.lr=[" + "1, " * 10_000 + "1]", "train.lr"),
         ("train.rounds={a: " + "y" * HUGE + ", a: 1}", "duplicate key 'a'"),
         ("no_equals_" + "z" * HUGE, "expected key.path=value"),
     ],
@@ -222,8 +222,8 @@ def test_error_lines_cut_long_values(tmp_path, override, words):
         (with_("train", "rounds", 10**5000), "train.rounds: 16,610 bits is too large"),
         (with_("train", "rounds", 10**100), "train.rounds: 1000000000"),
         (with_("train", "k" * HUGE, 1), "train.kkkk"),
-        (with_("eval", "adaptation_steps", [True] * HUGE), "eval.adaptation_steps.4: Input"),
-        (with_("eval", "adaptation_steps", [True] * HUGE), "; and 99,995 more"),
+        (with_("eval", "adaptation_steps", [True] * 20_000), "eval.adaptation_steps.4: Input"),
+        (with_("eval", "adaptation_steps", [True] * 20_000), "; and 19,995 more"),
     ],
 )
 def test_python_api_errors_cut_long_values_and_keys(raw, words):

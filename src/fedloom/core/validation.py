@@ -83,7 +83,7 @@ def check_int64(raw: Any, prefix: str = "") -> None:
             check_int64(value, prefix)
     elif isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > INT64_MAX:
         # str() of an int over 4300 digits is a ValueError (sys.get_int_max_str_digits)
-        text = clipped(str(raw)) if raw.bit_length() <= 10_000 else f"{raw.bit_length():,} bits"
+        text = clipped(str(raw)) if raw.bit_length() <= 14_000 else f"{raw.bit_length():,} bits"
         raise ConfigError(f"{clipped(prefix.rstrip('.'))}: {text} is too large (at most 2^63 - 1)")
 
 
