@@ -91,9 +91,9 @@ def test_fednova_client_without_samples_contributes_nothing(data, solver, monkey
     and tau_eff over the clients that progressed): the run equals the run without it, bitwise,
     at the closed-form fixed point of the others (4e-7 measured).
 
-    The Python API refuses such a client handed in by a user (data/checks.py); a partition can
-    still leave a client without samples (a Dirichlet draw without min_size), so the engine's
-    handling is tested with the API's check of handed-in data switched off."""
+    ``fedloom.run`` now refuses such a client handed in by a user (data/checks.py); data that
+    reaches the engine unchecked (an ``Engine`` built directly) still may hold one, so the
+    engine's handling is tested with that check switched off."""
     import fedloom.api
 
     monkeypatch.setattr(fedloom.api, "check_data", lambda data, training_clients=None: None)
