@@ -13,13 +13,15 @@ from fedloom.audit.auditor import audit
 from fedloom.config import RunConfig, load_yaml, parse_config, resolve_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.data import FederatedData, load_dataset, resolve_data_config
+from fedloom.data.checks import check_data
 from fedloom.data.partition_file import FILE_NAME as PARTITION_FILE
 from fedloom.data.partition_file import write_partition_file
+from fedloom.engine.build import check_model_fits
 from fedloom.engine.callbacks import Callback
 from fedloom.engine.executor import Executor
 from fedloom.engine.loop import Engine, RunResult
 from fedloom.engine.rundir import RunDir, default_run_dir, differing_keys, releasing_locks
-from fedloom.errors import ConfigError, RunDirError
+from fedloom.errors import ConfigError, RunDirError, clipped
 from fedloom.models import MODELS
 from fedloom.peft import build_run_model
 
@@ -80,6 +82,27 @@ def run_kind(config: Any) -> str:
     if kind is not None:
         return kind
     return "rl" if is_rl_config(raw) else "vertical" if is_vertical_config(raw) else "horizontal"
+
+
+def _check_types(data: object, model: object) -> None:
+    """ConfigError when ``data`` or ``model`` is not what a horizontal run takes (a model's
+    name is a config key, a list of arrays goes through ``from_arrays``)."""
+    if data is not None and not isinstance(data, FederatedData):
+        raise ConfigError(
+            f"data: expected a FederatedData, got {type(data).__name__}; build one with "
+            "fedloom.data.from_arrays([(features, labels), ...]) or leave it out for the "
+            "config's dataset"
+        )
+    if model is not None and not isinstance(model, nn.Module):
+        hint = (
+            f" (a name: set model.name: {clipped(model)} in the config)"
+            if isinstance(model, str)
+            else ""
+        )
+        raise ConfigError(
+            f"model: expected a torch.nn.Module, got {type(model).__name__}{hint}; or leave it "
+            "out for the config's model"
+        )
 
 
 def _with_report(result: RunResult) -> RunResult:
@@ -147,6 +170,7 @@ def run(
             accept_config_change=accept_config_change,
         )
         return _with_report(result)
+    _check_types(data, model)
     run_dir: RunDir | None = None
     if resume is not None:
         run_dir = RunDir.open_for_writing(resume, accept_config_change)
@@ -160,6 +184,10 @@ def run(
         MODELS.get(cfg.model.name)
     if data is None:
         data = load_dataset(cfg.data, cfg.seed)
+    else:  # the caller's: checked once, here (docs/inputs.md, "What the Python API checks")
+        check_data(data, training_clients=data.num_clients - cfg.eval.new_clients)
+    if model is not None:
+        check_model_fits(model, data, cfg.model.name, user=True)
     # the config's model: with a peft section, a frozen pretrained transformer (docs/peft.md)
     module = (
         model if model is not None else build_run_model(cfg, data.input_shape, data.num_outputs)

@@ -36,8 +36,9 @@ from fedloom.compression.config import CompressionConfig
 from fedloom.core.files import one_line
 from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, check_plain_tree, format_validation_error
+from fedloom.core.yaml_text import DuplicateKeyError, dump_yaml_text, load_yaml_text
 from fedloom.data.partition import PARTITIONS
-from fedloom.errors import ConfigError
+from fedloom.errors import ConfigError, clipped
 from fedloom.incentives.config import EXACT_SHAPLEY_MAX, ContributionConfig, IncentiveConfig
 from fedloom.models import MODELS
 from fedloom.peft.config import PEFT_MODELS, PeftConfig
@@ -126,7 +127,7 @@ class RunConfig(StrictModel):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml_text(self.to_dict(), sort_keys=False)
 
 
 # -- the rules between sections ------------------------------------------------------------
@@ -437,7 +438,9 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
     if "kind" in raw:  # the run family (fedloom.api.run_kind): this parser's is horizontal
         if raw["kind"] != "horizontal":
-            raise ConfigError(f"kind: {raw['kind']!r} is not a horizontal run's config")
+            raise ConfigError(
+                f"kind: {clipped(repr(raw['kind']))} is not a horizontal run's config"
+            )
         raw = {k: v for k, v in raw.items() if k != "kind"}
     check_int64(raw)
     try:
@@ -446,18 +449,29 @@ def parse_config(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(format_validation_error(err, RunConfig)) from None
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+EMPTY_CONFIG = "empty config: give a file with keys, or no file for the default experiment"
+"""The error for a config file without keys (``fedloom run`` without a file runs
+``DEFAULT_EXPERIMENT``)."""
+
+
+def load_yaml(path: str | Path, empty: str = EMPTY_CONFIG) -> dict[str, Any]:
+    """The YAML file at ``path`` (``core/yaml_text.py``: a duplicate key is an error); a file
+    that holds nothing (no text, only comments, ``null``) is the ConfigError ``empty``."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = load_yaml_text(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
+    except DuplicateKeyError as err:
+        raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {one_line(err)}") from None
+        raise ConfigError(f"{path}: not valid YAML: {clipped(one_line(err), 300)}") from None
+    if raw is None:  # no text, only comments, or `null`
+        raise ConfigError(f"{path}: {empty}")
     check_plain_tree(raw, str(path))
-    return raw or {}
+    return raw
 
 
 _SWITCHES: dict[tuple[str, ...], str] = {
@@ -556,17 +570,20 @@ _ALTERNATIVES: dict[tuple[str, ...], tuple[str, ...]] = {
 
 def _parse_override(item: str) -> tuple[tuple[str, ...], Any]:
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key.path=value")
+        raise ConfigError(f"--set {clipped(repr(item))}: expected key.path=value")
     path, text = item.split("=", 1)
     keys = tuple(k for k in path.strip().split(".") if k)
     if not keys:
-        raise ConfigError(f"--set {item!r}: empty key")
+        raise ConfigError(f"--set {clipped(repr(item))}: empty key")
+    shown = f"--set {clipped(repr(item))}"
     try:
-        value = yaml.safe_load(text)
-        check_plain_tree(value, f"--set {item!r}")
+        value = load_yaml_text(text)
+        check_plain_tree(value, shown)
         return keys, value
+    except DuplicateKeyError as err:
+        raise ConfigError(f"{shown}: {err}") from None
     except yaml.YAMLError as err:
-        msg = f"--set {item!r}: the value is not a YAML scalar or list: {one_line(err)}"
+        msg = f"{shown}: the value is not a YAML scalar or list: {clipped(one_line(err), 300)}"
         raise ConfigError(msg) from None
 
 

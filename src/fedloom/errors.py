@@ -48,3 +48,13 @@ def unknown_name_message(kind: str, name: str, choices: Iterable[str]) -> str:
     hint = closest(name, choices)
     did_you_mean = f" Did you mean '{hint}'?" if hint else ""
     return f"unknown {kind} '{name}'.{did_you_mean} Valid: {', '.join(choices)}."
+
+
+SHOWN_CHARS = 80
+"""The most characters of a value an error line echoes."""
+
+
+def clipped(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, ending in '...' when cut: an error line names a
+    100 KB value without echoing it whole."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -38,6 +38,8 @@ HOSTILE_TEXT = [
     "-1e300",
     "1180591620717411303424",
     "'text'",
+    "'0.05'",
+    '"3"',
     "[1, 2]",
     "{a: 1}",
     "[1",
@@ -111,9 +113,11 @@ def _near(value: Any) -> st.SearchStrategy[str]:
     if isinstance(value, bool):
         return st.sampled_from(["false", "true", "2"])
     if isinstance(value, int):
-        return st.sampled_from([str(-value - 1), "0", "-1", str(value + 1), "2.5"])
+        return st.sampled_from([str(-value - 1), "0", "-1", str(value + 1), "2.5", "true"])
     if isinstance(value, float):
-        return st.sampled_from([str(-value), "0.0", "1.0", "1e-300", str(value * 1e6)])
+        return st.sampled_from(
+            [str(-value), "0.0", "1.0", "1e-300", str(value * 1e6), "false", f"'{value}'"]
+        )
     return st.sampled_from(["bogus", "'1'"])
 
 

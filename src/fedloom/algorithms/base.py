@@ -35,7 +35,7 @@ from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_correction, st
 class AlgorithmConfig(BaseModel):
     """Base of every algorithm's hyperparameters; unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     name: str
 
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class Schedule(BaseModel):
     """``{kind: constant | linear | cosine, min: ...}``: how the coefficient decays over rounds."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     kind: Literal["constant", "linear", "cosine"] = "constant"
     min: float = Field(default=0.01, ge=0.0, description="value in the last round (mu_min)")
 

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from fedloom.core.validation import check_plain_tree
+from fedloom.core.yaml_text import load_yaml_text
 from fedloom.errors import RunDirError
 
 
@@ -71,7 +72,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """A YAML file of a run directory that must hold a mapping (an empty file is {})."""
     try:
-        value = yaml.safe_load(read_text(path))
+        value = load_yaml_text(read_text(path))
     except yaml.YAMLError as err:
         raise RunDirError(f"{path}: not valid YAML: {one_line(err)}") from None
     if value is None:

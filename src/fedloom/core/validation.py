@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from fedloom.errors import ConfigError, FedloomInputError, closest
+from fedloom.errors import SHOWN_CHARS, ConfigError, FedloomInputError, clipped, closest
 
 _UNION_TAGS = {"count", "distribution"}
 """Branch tags pydantic puts into error locations; not keys, so dropped from messages."""
@@ -35,12 +35,19 @@ def _model_in(annotation: Any) -> Any:
     return None
 
 
+SHOWN_PROBLEMS = 5
+"""The most problems one error line lists (a list of 100,000 wrong items has as many)."""
+
+
 def format_validation_error(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
-    """One line per problem, each naming the full key path, the value and what is allowed."""
+    """One line per problem (the first ``SHOWN_PROBLEMS``), each naming the full key path, the
+    value and what is allowed."""
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:SHOWN_PROBLEMS]:
         loc = tuple(p for p in e["loc"] if p not in _UNION_TAGS)
         key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "config"
+        key = clipped(key)  # a key of 100 KB is named, not echoed
         if e["type"] == "extra_forbidden":
             hint = closest(str(loc[-1]), _field_names(model, loc))
             extra = (
@@ -49,10 +56,16 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], prefix
             allowed = ", ".join(_field_names(model, loc))
             lines.append(f"{key}: unknown key.{extra} Allowed here: {allowed}.")
         else:
-            msg = e["msg"].removeprefix("Value error, ")
+            msg = clipped(e["msg"].removeprefix("Value error, "), 4 * SHOWN_CHARS)
             value = e.get("input")
-            shown = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
+            shown = (
+                f" (got {clipped(repr(value))})"
+                if not isinstance(value, dict) and value is not None
+                else ""
+            )
             lines.append(f"{key}: {msg}{shown}")
+    if len(errors) > SHOWN_PROBLEMS:
+        lines.append(f"and {len(errors) - SHOWN_PROBLEMS:,} more")
     return "; ".join(lines)
 
 
@@ -69,7 +82,9 @@ def check_int64(raw: Any, prefix: str = "") -> None:
         for value in raw:
             check_int64(value, prefix)
     elif isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > INT64_MAX:
-        raise ConfigError(f"{prefix.rstrip('.')}: {raw} is too large (at most 2^63 - 1)")
+        # str() of an int over 4300 digits is a ValueError (sys.get_int_max_str_digits)
+        text = clipped(str(raw)) if raw.bit_length() <= 14_000 else f"{raw.bit_length():,} bits"
+        raise ConfigError(f"{clipped(prefix.rstrip('.'))}: {text} is too large (at most 2^63 - 1)")
 
 
 MAX_CONFIG_NODES = 100_000

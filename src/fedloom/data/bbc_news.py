@@ -32,7 +32,7 @@ PARTITIONS = ("iid", "dirichlet", "shards", "quantity")
 
 
 class BBCOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     text: Literal["title", "title_body"] = "title"
 
 

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from fedloom.errors import ConfigError, closest
+from fedloom.errors import ConfigError, clipped, closest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -35,12 +35,12 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel], key: str) -> str:
         bound = ctx[name]
         if isinstance(bound, float) and bound.is_integer():
             bound = int(bound)
-        return f"{key}: must be {op} {bound}, got {err['input']!r}"
+        return f"{key}: must be {op} {bound}, got {clipped(repr(err['input']))}"
     msg = str(err["msg"])
     if kind == "value_error":
         return f"{key}: {msg.removeprefix('Value error, ')}"
     msg = msg[:1].lower() + msg[1:]
-    return f"{key}: {msg}, got {err.get('input')!r}"
+    return f"{key}: {msg}, got {clipped(repr(err.get('input')))}"
 
 
 def validate(model: type[M], data: Mapping[str, Any] | None, prefix: str) -> M:
@@ -50,7 +50,9 @@ def validate(model: type[M], data: Mapping[str, Any] | None, prefix: str) -> M:
     if isinstance(data, BaseModel):
         data = data.model_dump()
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix}: must be a mapping, got {type(data).__name__} {data!r}")
+        raise ConfigError(
+            f"{prefix}: must be a mapping, got {type(data).__name__} {clipped(repr(data))}"
+        )
     try:
         return model.model_validate(dict(data))
     except ValidationError as exc:

@@ -11,7 +11,8 @@ import torch
 
 from fedloom.core.protocol import ClientData
 from fedloom.data.augment import AugmentSpec
-from fedloom.errors import DataError
+from fedloom.data.checks import check_labels, check_uniform
+from fedloom.errors import DataError, clipped
 
 __all__ = ["ClientData", "FederatedData", "from_arrays"]
 
@@ -72,7 +73,13 @@ class FederatedData:
 
 
 def _as_tensor(a: Any, what: str) -> torch.Tensor:
-    t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+    try:
+        t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+    except (TypeError, ValueError, RuntimeError) as err:  # strings, ragged lists, objects
+        raise DataError(
+            f"from_arrays: {what} are not numbers ({clipped(str(err))}); give numeric "
+            "arrays (class ids as integers: numpy.unique(y, return_inverse=True))"
+        ) from None
     if t.ndim == 0:
         raise DataError(f"from_arrays: {what} must have a sample dimension, got a scalar")
     return t
@@ -127,7 +134,13 @@ def from_arrays(
             n_test = round(test_fraction * x.shape[0])
             test_idx, train_idx = perm[:n_test], perm[n_test:]
             clients.append(ClientData(x[train_idx], y[train_idx], x[test_idx], y[test_idx]))
+    names = [str(k) for k in range(len(clients))]
+    check_uniform(clients, names)
     y0 = clients[0].y_train
+    if not y0.dtype.is_floating_point:
+        for k, c in enumerate(clients):
+            check_labels(c.y_train, f"from_arrays: client {k} (train)")
+            check_labels(c.y_test, f"from_arrays: client {k} (test)")
     if y0.dtype.is_floating_point:
         task = "regression"
         num_outputs = 1 if y0.ndim == 1 else int(y0.shape[1])

@@ -35,7 +35,7 @@ from fedloom.errors import ConfigError
 class MissingFeatures(BaseModel):
     """``data.missing``: which clients lack which input features."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     kind: Literal["columns", "regions"] = "columns"
     fraction: float = Field(default=0.3, gt=0.0, lt=1.0)

@@ -22,7 +22,7 @@ KEY = "data.partition"
 class Partition(BaseModel):
     """Base class: subclasses set ``kind`` (a Literal) and implement :meth:`split`."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
     kind: str
     #: True for label-skew partitions that need classification labels.

@@ -39,7 +39,7 @@ SCALE_RANGE = (0.25, 4.0)
 class QuadraticOptions(BaseModel):
     """``data.quadratic`` options."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     dim: int = Field(5, ge=1)
     samples: int | list[int] = 50
     heterogeneity: float = Field(1.0, ge=0, allow_inf_nan=False)

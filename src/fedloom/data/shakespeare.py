@@ -44,7 +44,7 @@ assert len(ALL_LETTERS) == 80 and len(set(ALL_LETTERS)) == 80
 class ShakespeareOptions(BaseModel):
     """``data.shakespeare`` options: roles with fewer characters are dropped."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     min_chars: int = Field(DEFAULT_MIN_CHARS, ge=SEQ_LEN + 2)
 
 

@@ -16,7 +16,7 @@ from fedloom.registry import Registry
 class NoOptions(BaseModel):
     """Datasets without options: any key under ``data.<name>`` is an error."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ DEFAULT_CLIENTS = 30
 class SyntheticOptions(BaseModel):
     """``data.synthetic`` options."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     alpha: float = Field(1.0, ge=0, allow_inf_nan=False)
     beta: float = Field(1.0, ge=0, allow_inf_nan=False)
     iid: bool = False

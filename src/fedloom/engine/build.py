@@ -104,27 +104,40 @@ class EngineParts:
         )
 
 
-def check_model_fits(module: nn.Module, data: FederatedData, name: str) -> None:
+def check_model_fits(module: nn.Module, data: FederatedData, name: str, user: bool = False) -> None:
     """ConfigError when ``module`` cannot take one of the data's inputs (a character model on
-    images, a CNN on flat vectors): found before training, not as a crash in round 1."""
+    images, a CNN on flat vectors): found before training, not as a crash in round 1. A
+    ``user`` module (the Python API's ``model=``) is named by its class, and on a
+    classification task its output width must be the class count (docs/inputs.md)."""
     client = next((c for c in data.clients if c.num_train), None)
     if client is None:
         return
+    label = (
+        f"model ({type(module).__name__}, the module you gave)" if user else f"model.name: {name}"
+    )
+    sample = f"one sample of shape {list(client.x_train.shape[1:])}, {client.x_train.dtype}"
     training = module.training
     module.eval()
     try:
         with torch.no_grad():
             out = module(client.x_train[:1])
     except (RuntimeError, ValueError, IndexError, TypeError) as err:
+        verb, fix = (
+            ("cannot take", "; give a module that takes them") if user else ("does not fit", "")
+        )
         raise ConfigError(
-            f"model.name: {name} does not fit {data.name}'s inputs (one sample of shape "
-            f"{list(client.x_train.shape[1:])}, {client.x_train.dtype}): {one_line(err)[:200]}"
+            f"{label} {verb} {data.name}'s inputs ({sample}): {one_line(err)[:200]}{fix}"
         ) from None
     finally:
         module.train(training)
     if not isinstance(out, torch.Tensor) or out.shape[0] != 1:
         got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"model.name: {name} gives {got} for one sample of {data.name}")
+        raise ConfigError(f"{label} gives {got} for one sample of {data.name}")
+    if user and data.task == "classification" and out.shape[-1] != data.num_outputs:
+        raise ConfigError(
+            f"{label} gives {out.shape[-1]} outputs per sample but {data.name} has "
+            f"{data.num_outputs} classes; make its last layer {data.num_outputs} wide"
+        )
 
 
 def build_parts(

@@ -45,7 +45,7 @@ Norm = Literal["batch", "group", "none"]
 class ResNetOptions(BaseModel):
     """``resnet18``'s options (see the module doc)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
     norm: Norm = "batch"
     width: int = Field(default=64, ge=1)

@@ -14,7 +14,7 @@ from fedloom.models.base import FedModel
 class NoOptions(BaseModel):
     """Models without options: a key besides ``model.name`` is an error."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from fedloom.compression.config import CompressionConfig
 from fedloom.config import load_yaml
 from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, format_validation_error
+from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, unknown_name_message
 from fedloom.privacy.config import PrivacyConfig
 from fedloom.robust.config import AggregatorConfig
@@ -404,7 +404,7 @@ class RLRunConfig(StrictModel):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml_text(self.to_dict(), sort_keys=False)
 
 
 def is_rl_config(raw: Any) -> bool:

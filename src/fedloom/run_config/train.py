@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from fedloom.core.settings import StrictModel
+from fedloom.core.settings import LIST_AS_TUPLE, StrictModel
 from fedloom.solvers.adamw import AdamW
 
 
@@ -72,7 +72,7 @@ class OptimizerConfig(StrictModel):
     rounds (``client``; algorithms that keep client state). A plain string is the kind."""
 
     kind: Literal["sgd", "adamw"] = "sgd"
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: Annotated[tuple[float, float], LIST_AS_TUPLE] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0.0)
     weight_decay: float = Field(default=0.01, ge=0.0)
     moments: Literal["round", "client"] = "round"

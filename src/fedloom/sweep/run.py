@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, RunDirError
 from fedloom.sweep.jobs import Job, Outcome, run_local, run_ray, run_state
 from fedloom.sweep.progress import SweepProgress
@@ -79,7 +80,7 @@ def open_out(out: Path, sweep: Sweep) -> None:
         )
     try:
         out.mkdir(parents=True, exist_ok=True)
-        stored.write_text(yaml.safe_dump(sweep.to_dict(), sort_keys=False), encoding="utf-8")
+        stored.write_text(dump_yaml_text(sweep.to_dict(), sort_keys=False), encoding="utf-8")
     except OSError as err:
         raise RunDirError(f"cannot write --out {out}: {err.strerror}") from None
 

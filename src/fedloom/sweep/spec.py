@@ -185,10 +185,13 @@ def parse_spec(raw: Any, where: str, root: Path) -> Sweep:
     return Sweep(base=base, grid=dict(spec.grid), seeds=list(spec.seeds))
 
 
+EMPTY_SPEC = 'empty sweep spec: give base, grid and seeds (docs/benchmarks.md, "Sweep files")'
+
+
 def load_spec(path: str | Path) -> Sweep:
     """The SPEC file at ``path`` (its base loaded, not yet validated against the config)."""
     path = Path(path)
-    return parse_spec(load_yaml(path), str(path), path.parent)
+    return parse_spec(load_yaml(path, EMPTY_SPEC), str(path), path.parent)
 
 
 def first_difference(old: Any, new: Any, path: str = "") -> tuple[str, Any, Any] | None:

@@ -23,13 +23,14 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationErro
 
 from fedloom.config import apply_overrides, load_yaml, parse_config
 from fedloom.core.validation import format_validation_error
-from fedloom.errors import ConfigError
+from fedloom.core.yaml_text import dump_yaml_text
+from fedloom.errors import ConfigError, clipped
 
 Scalar = bool | int | float | str | None
 
 
 class _Dist(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
 
 class _RangeDist(_Dist):
@@ -130,11 +131,13 @@ def parse_space(raw: Any, where: str = "space") -> SearchSpace:
         )
     for key, dist in raw.items():
         if not isinstance(key, str) or not key or any(not k for k in key.split(".")):
-            raise ConfigError(f"{where}: {key!r} is not a dotted config key (train.lr)")
+            raise ConfigError(
+                f"{where}: {clipped(repr(key))} is not a dotted config key (train.lr)"
+            )
         if not isinstance(dist, dict) or dist.get("kind") not in ("float", "int", "categorical"):
             raise ConfigError(
                 f"{where}: {key}: expected a mapping with kind: float | int | categorical, "
-                f"got {dist!r}"
+                f"got {clipped(repr(dist))}"
             )
     try:
         parsed = _Space.model_validate({"params": raw})
@@ -146,15 +149,14 @@ def parse_space(raw: Any, where: str = "space") -> SearchSpace:
 
 def load_space(path: str | Path) -> SearchSpace:
     """A search space from a YAML file (the ``--space`` of ``fedloom tune``)."""
-    return parse_space(load_yaml(path), where=str(path))
+    empty = "empty search space: give dotted config keys with distributions (docs/tune.md)"
+    return parse_space(load_yaml(path, empty), where=str(path))
 
 
 def override_items(params: dict[str, Scalar]) -> list[str]:
     """A trial's values as ``--set`` items (values written as YAML flow scalars)."""
-    import yaml
-
     return [
-        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+        f"{k}={dump_yaml_text(v, default_flow_style=True).strip().removesuffix('...').strip()}"
         for k, v in params.items()
     ]
 

@@ -26,18 +26,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedloom.config import load_yaml
 from fedloom.core.settings import Seed
 from fedloom.core.validation import check_int64, format_validation_error
+from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, unknown_name_message
 from fedloom.run_config.train import CheckpointConfig
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False, strict=True, validate_assignment=True
+    )
 
 
 class VerticalPartition(_Strict):
@@ -233,7 +235,7 @@ class VerticalRunConfig(_Strict):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml_text(self.to_dict(), sort_keys=False)
 
 
 def parse_algorithm(value: Any) -> _Algorithm:
