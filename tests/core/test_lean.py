@@ -25,7 +25,8 @@ def cnn_model() -> FunctionalModel:
 
 def test_channels_last_weights_round_trip_in_the_default_layout():
     model = cnn_model()
-    lean = LeanModule(model.module)
+    assert LeanModule(model.module).channels_last == set()  # off by default (core/lean.py)
+    lean = LeanModule(model.module, channels_last=True)
     assert lean.channels_last == {"conv1.weight", "conv2.weight"}
     assert lean.views["conv2.weight"].is_contiguous(memory_format=torch.channels_last)
     params, buffers = model.initial_state(3)
@@ -39,11 +40,11 @@ def test_channels_last_weights_round_trip_in_the_default_layout():
 
 
 def test_batch_norm_models_keep_the_default_layout():
-    lean = LeanModule(build_model("cnn_bn", (1, 12, 12), 10))
+    lean = LeanModule(build_model("cnn_bn", (1, 12, 12), 10), channels_last=True)
     assert lean.channels_last == set()
 
 
-def test_lean_channels_last_step_equals_autograd_on_a_plain_copy():
+def test_lean_step_equals_autograd_on_a_plain_copy():
     model = cnn_model()
     params, buffers = model.initial_state(1)
     g = torch.Generator().manual_seed(0)

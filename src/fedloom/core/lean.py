@@ -7,9 +7,13 @@ starting point is one copy, each SGD step is forward, backward and one fused
 step than ``functional_call`` + autograd for small models (benchmarks/README.md, Design
 measurements).
 
-Convolution weights are kept channels-last (NHWC) inside the flat buffer: oneDNN's
-convolutions run faster on that layout (same section; not for models with batch
-normalization, see ``_channels_last_keys``).
+With ``channels_last=True`` convolution weights are kept channels-last (NHWC) inside the
+flat buffer: oneDNN's convolutions run faster on that layout (same section; not for models
+with batch normalization, see ``_channels_last_keys``). Off by default: with torch 2.13's CPU
+kernels, channels-last convolution weights of ``resnet18`` at ``width: 8`` on 64x64 inputs
+(batch 32) corrupted the heap in the backward pass (``free(): invalid next size``, a crash of
+the process; reproduced with plain torch, the weights set channels-last on the module), and the
+default layout never did.
 Trees going in and out keep PyTorch's default layout; only the flat buffer's order of a
 convolution weight's elements differs.
 """
@@ -66,7 +70,7 @@ def _channels_last_keys(module: nn.Module) -> set[str]:
 
 
 class LeanModule:
-    def __init__(self, template: nn.Module, channels_last: bool = True) -> None:
+    def __init__(self, template: nn.Module, channels_last: bool = False) -> None:
         self.module = copy.deepcopy(template)
         self.module.train()
         named = list(self.module.named_parameters())
