@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (scripts/test.sh)
+pytestmark = pytest.mark.ray  # run apart from the parallel tests (scripts/test.sh)
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 

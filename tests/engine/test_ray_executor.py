@@ -25,7 +25,7 @@ from tests.conftest import metrics_without_time
 from tests.engine.ray_cluster import free_port, ray_cluster
 from tests.engine.test_executor_equivalence import NEEDS_NORM_LAYERS
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (scripts/test.sh)
+pytestmark = pytest.mark.ray  # run apart from the parallel tests (scripts/test.sh)
 
 ray = pytest.importorskip("ray")
 

@@ -18,7 +18,7 @@ import fedloom
 from fedloom.engine.sampling import sample_clients
 from fedloom.flower import run_simulation
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (scripts/test.sh)
+pytestmark = pytest.mark.ray  # run apart from the parallel tests (scripts/test.sh)
 
 ray = pytest.importorskip("ray", reason="Flower's simulation runs on Ray (flwr[simulation])")
 

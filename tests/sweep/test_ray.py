@@ -13,7 +13,7 @@ from fedloom.sweep import load_spec, sweep
 from tests.engine.ray_cluster import free_port, ray_cluster
 from tests.sweep.specs import write_spec
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (scripts/test.sh)
+pytestmark = pytest.mark.ray  # run apart from the parallel tests (scripts/test.sh)
 
 pytest.importorskip("ray")
 
