@@ -20,7 +20,7 @@ from fedloom.data import cifar, download, load_dataset
 from fedloom.data.archive import unpack
 from fedloom.data.augment import AugmentSpec
 from fedloom.data.cifar import CIFAR10_PREP, read_records
-from fedloom.errors import DataError
+from fedloom.errors import ConfigError, DataError
 from tests.data.image_fixtures import (
     cifar10_archive,
     cifar_records,
@@ -112,7 +112,7 @@ def test_cifar100_fine_and_coarse_labels(cfg, tmp_path):
         cfg("cifar100", root=str(tmp_path), num_clients=2, options={"coarse": True}), seed=0
     )
     assert fd.num_outputs == 20
-    with pytest.raises(Exception, match="coarse"):  # cifar10 has no such option
+    with pytest.raises(ConfigError, match="coarse"):  # cifar10 has no such option
         load_dataset(cfg("cifar10", root=str(tmp_path), options={"coarse": True}), seed=0)
 
 
