@@ -28,7 +28,7 @@ from fedloom.peft import build_run_model
 
 def _save_inputs(run_dir: RunDir, config: RunConfig, data: FederatedData) -> None:
     run_dir.write_config(config.to_yaml())
-    write_partition_file(run_dir.path / PARTITION_FILE, data)  # pooled datasets only
+    write_partition_file(run_dir.file(PARTITION_FILE), data)  # pooled datasets only
     hist = data.label_histogram()
     if hist is not None:
         run_dir.write_json(
@@ -55,7 +55,8 @@ def _check_resume(run_dir: RunDir, config: RunConfig | None) -> RunConfig:
         diff = differing_keys(saved.to_dict(), config.to_dict())
         raise RunDirError(
             f"cannot resume {run_dir.path}: its config.yaml differs from the given config at "
-            f"{', '.join(diff)}; resume without a config, or start a new run"
+            f"{', '.join(diff)}; resume without a config (and without --set), or start a new "
+            "run"
         )
     return saved
 
@@ -140,8 +141,9 @@ def run(
     sends clients' work to nodes). ``callbacks`` run around the round loop
     (engine/callbacks.py; ``fedloom tune``'s reporter).
     """
-    saved = Path(resume) / "config.yaml" if resume is not None else None
-    kind = run_kind(config if saved is None else saved if saved.is_file() else None)
+    # a run directory to resume is checked (no symbolic link in it) before its config is read
+    saved = RunDir.open_existing(resume).config_path if resume is not None else None
+    kind = run_kind(config if saved is None else saved)
     if kind == "rl":  # federated RL (docs/rl.md)
         from fedloom.rl.run import run_rl
 

@@ -68,12 +68,18 @@ def _echo_path(write: Callable[[], object], debug: bool) -> None:
     typer.echo(str(path))
 
 
-def _raw_config(config: Path | None, set_: list[str] | None) -> dict[str, Any]:
-    """The YAML config (or the embedded default experiment, config.default_experiment) with
-    the ``--set`` overrides."""
+def _raw_config(
+    config: Path | None, set_: list[str] | None, resume: Path | None = None
+) -> dict[str, Any]:
+    """The YAML config (or, resuming, the run's config.yaml, else the embedded default
+    experiment, config.default_experiment) with the ``--set`` overrides."""
     from fedloom.config import apply_overrides, default_experiment, load_yaml
     from fedloom.rl.config import RL_ENVS
 
+    if config is None and resume is not None:  # --set against the run's own config
+        from fedloom.engine.rundir import RunDir
+
+        config = RunDir.open_existing(resume).config_path
     if config is not None:
         return apply_overrides(load_yaml(config), set_ or [], written_in=str(config))
     overrides = set_ or []
@@ -108,11 +114,12 @@ def run(
     try:
         cfg = None
         if config is not None or set_:
-            raw = _raw_config(config, set_)
+            raw = _raw_config(config, set_, resume)
             try:
                 cfg = raw if run_kind(raw) != "horizontal" else parse_config(raw)
             except ConfigError as err:
-                raise (err if config is not None else from_default(err, set_ or [])) from None
+                given = config is not None or resume is not None
+                raise (err if given else from_default(err, set_ or [])) from None
         if resume is not None and out is not None:
             raise FedloomInputError(
                 "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
@@ -242,10 +249,13 @@ def audit(
 def summary(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
     """Print RUN_DIR/summary.json."""
     from fedloom.core.files import read_json_object
+    from fedloom.core.runpaths import refuse_links, under
     from fedloom.errors import RunDirError
 
-    path = run_dir / "summary.json"
     try:
+        if run_dir.is_dir():
+            refuse_links(run_dir)
+        path = under(run_dir, "summary.json")
         if not path.is_file():
             raise RunDirError(f"{path} not found")
         typer.echo(json.dumps(read_json_object(path), indent=2))

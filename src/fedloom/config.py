@@ -458,6 +458,8 @@ def load_yaml(path: str | Path, empty: str = EMPTY_CONFIG) -> dict[str, Any]:
     """The YAML file at ``path`` (``core/yaml_text.py``: a duplicate key is an error); a file
     that holds nothing (no text, only comments, ``null``) is the ConfigError ``empty``."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: give the YAML file itself")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -29,6 +29,7 @@ from fedloom.audit.outputs import Outputs, model_logits
 from fedloom.audit.study import StudySetup, defence_tradeoff
 from fedloom.core.files import strict_json
 from fedloom.core.rng import generator
+from fedloom.core.runpaths import under, write_text_atomic
 from fedloom.data import FederatedData
 from fedloom.errors import ConfigError, unknown_name_message
 
@@ -93,10 +94,10 @@ def audit(
             )
     result["seconds"] = time.perf_counter() - tick
     doc.setdefault("attacks", {})[attack] = result
-    (run.path / AUDIT_FILE).write_text(strict_json(doc, indent=2))
+    write_text_atomic(under(run.path, AUDIT_FILE), strict_json(doc, indent=2))
     from fedloom.audit.page import write_page
 
-    write_page(doc, Path(out) if out is not None else run.path / PAGE_FILE)
+    write_page(doc, Path(out) if out is not None else under(run.path, PAGE_FILE))
     return doc
 
 
@@ -310,7 +311,7 @@ def _header(run: FinishedRun) -> dict[str, Any]:
 
 def _existing(path: Path) -> dict[str, Any]:
     """The run's audit.json so far (another attack's results are kept), or a fresh one."""
-    file = path / AUDIT_FILE
+    file = under(path, AUDIT_FILE)
     try:
         doc = json.loads(file.read_text())
     except (OSError, ValueError):

@@ -16,6 +16,7 @@ from fedloom.config import RunConfig, load_yaml, parse_config
 from fedloom.core.files import read_json_object
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
+from fedloom.core.runpaths import under
 from fedloom.data import FederatedData, load_dataset
 from fedloom.engine.loop import Engine
 from fedloom.engine.rundir import RunDir, refuse_if_written
@@ -55,7 +56,7 @@ class FinishedRun:
 
     @property
     def summary(self) -> dict[str, Any]:
-        path = self.path / "summary.json"
+        path = under(self.path, "summary.json")
         return read_json_object(path) if path.is_file() else {}
 
 
@@ -120,7 +121,7 @@ def load_finished_run(
 def _check_same_data(run: RunDir, data: FederatedData) -> None:
     """The data's per-client label counts against the run's label_histogram.json, so that an
     audit never scores one run's models on another dataset's clients."""
-    path = run.path / "label_histogram.json"
+    path = run.file("label_histogram.json")
     if not path.is_file():
         return
     saved = read_json_object(path).get("counts")

@@ -7,13 +7,13 @@ figure helpers (report/)."""
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from html import escape
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
 
+from fedloom.core.runpaths import write_text_atomic
 from fedloom.report import format as fmt
 from fedloom.report.figures import GLOBAL, PERSONAL, Panel, base_layout
 from fedloom.report.html import CSS, Card, cards_html, figures_html
@@ -39,12 +39,7 @@ section.block { margin-top: 16px; }
 def write_page(doc: dict[str, Any], path: Path) -> Path:
     """Write the page for ``doc`` (audit.json) to ``path`` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(render_page(doc), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(path, render_page(doc))
     return path
 
 

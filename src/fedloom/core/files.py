@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from fedloom.core.runpaths import under
 from fedloom.core.validation import check_plain_tree
 from fedloom.core.yaml_text import load_yaml_text
 from fedloom.errors import RunDirError
@@ -34,13 +35,10 @@ def strict_json(value: Any, **kwargs: Any) -> str:
 
 
 def inside(root: Path, name: str | Path, what: str) -> Path:
-    """``root / name`` resolved (symlinks followed), refused unless it stays inside ``root``:
-    a file name read from a run directory someone sent you must not reach outside it."""
-    base = Path(root).resolve()
-    target = (base / name).resolve()
-    if not target.is_relative_to(base):
-        raise RunDirError(f"{what}: {str(name)!r} points outside {root}; refused")
-    return target
+    """``root / name``, refused unless it stays inside ``root`` with no symbolic link on the
+    way (core/runpaths.py, ``under``): a file name read from a run directory someone sent you
+    must not reach outside it."""
+    return under(root, name, what=what)
 
 
 def read_text(path: Path) -> str:

@@ -2,7 +2,8 @@
 
 A run is a direct subdirectory with a ``config.yaml``. Names from URLs are only ever looked
 up among the listed subdirectories, so no URL reaches a path outside the folder; a
-subdirectory or file that is a symlink to somewhere outside it is not listed. Each run is
+subdirectory that is a symlink to somewhere outside it, or a run holding a symlink at any
+level (a file, checkpoints/, serving/), is not listed. Each run is
 reloaded only when one of its files changed (size or modification time): the ``version``.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.core.files import read_yaml_mapping
+from fedloom.core.runpaths import find_link, under
 from fedloom.errors import RunDirError
 from fedloom.report.compare import RunFacts, run_facts
 from fedloom.report.rundir import CONFIG_FILE, METRICS_FILE, RunData, load_run
@@ -61,9 +63,9 @@ def run_version(path: Path) -> tuple[str, float]:
 def load_live_run(path: Path) -> RunData:
     """``load_run``, except that a run which has not written metrics.jsonl yet (it has not
     finished its first evaluated round) loads as a run with no rounds."""
-    if (path / METRICS_FILE).is_file():
+    if under(path, METRICS_FILE).is_file():
         return load_run(path)
-    return RunData(path, read_yaml_mapping(path / CONFIG_FILE), [], None, None, [])
+    return RunData(path, read_yaml_mapping(under(path, CONFIG_FILE)), [], None, None, [])
 
 
 class RunsFolder:
@@ -80,14 +82,12 @@ class RunsFolder:
         self._lock = threading.Lock()
 
     def contained(self, path: Path) -> bool:
-        """True when the run directory ``path`` and every file directly in it resolve inside
-        the folder: a symlink pointing elsewhere (a run, or a config.yaml linked to a file
-        outside) is neither listed nor served."""
+        """True when the run directory ``path`` resolves inside the folder and holds no
+        symbolic link at any level (core/runpaths.py): a run linked from elsewhere, or one
+        whose config.yaml, checkpoints/ or serving/ files are links, is neither listed nor
+        served."""
         try:
-            if not path.resolve().is_relative_to(self.root):
-                return False
-            with os.scandir(path) as it:
-                return all(Path(e.path).resolve().is_relative_to(self.root) for e in it)
+            return path.resolve().is_relative_to(self.root) and find_link(path) is None
         except OSError:
             return False
 

@@ -83,7 +83,7 @@ class Engine(EngineParts):
 
     # -- the loop -------------------------------------------------------------------------
     def new_store(self) -> ClientStateStore:
-        directory = self.run_dir.path / "state" if self.run_dir is not None else None
+        directory = self.run_dir.file("state") if self.run_dir is not None else None
         slots = self.data.num_clients + 1  # the last slot: a pooled view's client (id -1)
         return ClientStateStore(slots, self.config.state.storage, directory)
 

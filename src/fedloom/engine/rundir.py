@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from fedloom.core.files import strict_json
+from fedloom.core.runpaths import link_error, refuse_links, under, write_text_atomic
 from fedloom.engine.checkpoint import (
     MANIFEST_SUFFIX,
     TENSOR_SUFFIX,
@@ -59,10 +60,12 @@ class RunLock:
     def acquire(cls, run_path: Path) -> RunLock:
         """The lock of the run directory ``run_path`` (which exists), or ``RunDirLocked``
         naming the process that holds it."""
-        path = run_path / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        path = under(run_path, LOCK_FILE)
+        try:  # O_NOFOLLOW: a link planted as .lock is refused, never truncated through
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
+            if path.is_symlink():
+                raise link_error(path) from None
             raise RunDirError(f"cannot write to run directory {run_path}: {err.strerror}") from None
         for attempt in range(LOCK_TRIES):
             try:
@@ -153,7 +156,7 @@ def lock_holder(run_path: str | Path) -> int | None:
     when no process holds its lock. Only reads: no lock file is created."""
     path = Path(run_path) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
@@ -189,12 +192,6 @@ def default_run_dir(algorithm: str, dataset: str, base: str | Path = "runs") -> 
         path = Path(base) / f"{algorithm}-{dataset}-{stamp}-{suffix}"
         suffix += 1
     return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def config_sha256(config: dict[str, Any]) -> str:
@@ -251,8 +248,8 @@ class RunDir:
             lock.release()
             raise _not_empty(path)
         try:
-            (path / "checkpoints").mkdir(exist_ok=True)
-            probe = path / ".write-test"
+            under(path, "checkpoints").mkdir(exist_ok=True)
+            probe = under(path, ".write-test")
             probe.write_text("")
             probe.unlink()
         except OSError as err:
@@ -273,8 +270,11 @@ class RunDir:
 
     @classmethod
     def open_existing(cls, path: str | Path, accept_config_change: bool = False) -> RunDir:
-        """An existing run directory, to read (no lock: ``open_for_writing`` to write)."""
+        """An existing run directory, to read (no lock: ``open_for_writing`` to write); one
+        holding a symbolic link anywhere is refused (core/runpaths.py)."""
         path = Path(path)
+        if path.is_dir():
+            refuse_links(path)
         if not (path / "config.yaml").is_file():
             raise RunDirError(f"{path} is not a fedloom run directory (no config.yaml)")
         run_dir = cls(path)
@@ -294,37 +294,42 @@ class RunDir:
         if self.lock is not None:
             self.lock.release()
 
-    # -- files ----------------------------------------------------------------------------
+    # -- files: each named through core/runpaths.py's ``under`` (no link, never outside) ------
+    def file(self, *parts: str) -> Path:
+        """``RUN/parts``, refused when a component is a symbolic link."""
+        return under(self.path, *parts)
+
     @property
     def config_path(self) -> Path:
-        return self.path / "config.yaml"
+        return self.file("config.yaml")
 
     @property
     def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.file("metrics.jsonl")
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.path / "checkpoints"
+        return self.file("checkpoints")
 
     def write_config(self, yaml_text: str) -> None:
-        _atomic_write(self.config_path, yaml_text)
+        write_text_atomic(self.config_path, yaml_text)
         self.config = yaml.safe_load(yaml_text)
 
     def write_json(self, name: str, obj: Any) -> None:
-        _atomic_write(self.path / name, strict_json(obj, indent=2))
+        write_text_atomic(self.file(name), strict_json(obj, indent=2))
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        with self.metrics_path.open("a") as f:
+        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
+        with os.fdopen(fd, "a") as f:
             f.write(strict_json(row) + "\n")
 
     def rewrite_metrics(self, rows: list[dict[str, Any]]) -> None:
-        _atomic_write(self.metrics_path, "".join(strict_json(r) + "\n" for r in rows))
+        write_text_atomic(self.metrics_path, "".join(strict_json(r) + "\n" for r in rows))
 
     # -- checkpoints (engine/checkpoint.py: safetensors + a checksummed JSON manifest) ---------
     def checkpoint_path(self, round: int) -> Path:
         """The manifest of round ``round``'s checkpoint (its tensors sit beside it)."""
-        return self.checkpoint_dir / f"round_{round:06d}{MANIFEST_SUFFIX}"
+        return under(self.checkpoint_dir, _checkpoint_names(round)[0])
 
     def save_checkpoint(self, round: int, payload: dict[str, Any], keep: int) -> Path:
         """Write round ``round``'s checkpoint durably, then keep only the newest ``keep``.
@@ -335,16 +340,22 @@ class RunDir:
         if self.config is not None:
             payload = {**payload, "config": self.config}
             facts = {"config_sha256": config_sha256(self.config)}
+        for name in _checkpoint_names(round)[2:]:  # temporary names: a stale one, or a link
+            self.file("checkpoints").joinpath(name).unlink(missing_ok=True)
         path = write_checkpoint(self.checkpoint_path(round), payload, facts)
         self.prune_checkpoints(keep, newest=round)
         return path
 
     def _checkpoint_rounds(self) -> dict[int, list[Path]]:
-        """Every checkpoint file (finished, partial or temporary) by its round."""
+        """Every checkpoint file (finished, partial or temporary) by its round: only the names
+        fedloom writes (``_checkpoint_names``, and older fedloom's pickles), nothing else of
+        a file called round_*; a symbolic link among them is refused."""
         rounds: dict[int, list[Path]] = {}
-        for path in self.checkpoint_dir.glob("round_*"):
+        folder = self.checkpoint_dir
+        for path in folder.glob("round_*"):
             match = _CHECKPOINT_NAME.fullmatch(path.name)
-            if match:
+            if match and path.name in (*_checkpoint_names(int(match[1])), _legacy(match[1])):
+                under(folder, path.name)
                 rounds.setdefault(int(match[1]), []).append(path)
         return rounds
 
@@ -356,17 +367,22 @@ class RunDir:
             stale = [r for r in rounds if r > newest]
             for r in stale:
                 for path in rounds.pop(r):
-                    path.unlink(missing_ok=True)
+                    if path.suffix != ".pt":  # a pickle of older fedloom's: not ours to delete
+                        path.unlink(missing_ok=True)
         for r in sorted(rounds)[:-keep]:
             for path in rounds[r]:
-                path.unlink(missing_ok=True)
+                if path.suffix != ".pt":
+                    path.unlink(missing_ok=True)
 
     def checkpoints(self) -> list[Path]:
         """The finished checkpoints' manifests, oldest first (not yet verified)."""
-        return sorted(self.checkpoint_dir.glob(f"round_*{MANIFEST_SUFFIX}"))
+        folder = self.checkpoint_dir
+        return sorted(under(folder, p.name) for p in folder.glob(f"round_*{MANIFEST_SUFFIX}"))
 
     def read_checkpoint(self, path: Path) -> dict[str, Any]:
         """One checkpoint's payload, verified (raises ``CheckpointError`` naming the file)."""
+        path = under(path.parent, path.name)
+        under(path.parent, path.with_suffix(TENSOR_SUFFIX).name)
         return read_checkpoint(path)
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
@@ -391,7 +407,9 @@ class RunDir:
         failures: list[str] = []
         for r in candidates:
             try:
-                return read_checkpoint(self.checkpoint_path(r))
+                manifest = self.checkpoint_path(r)
+                under(manifest.parent, manifest.with_suffix(TENSOR_SUFFIX).name)
+                return read_checkpoint(manifest)
             except CheckpointError as err:
                 failures.append(str(err))
                 warnings.warn(f"{err}; trying an older checkpoint", CheckpointWarning, stacklevel=2)
@@ -432,6 +450,10 @@ def _has_files(path: Path) -> bool:
 
 
 def _not_empty(path: Path) -> RunDirError:
+    if not path.is_dir():
+        return RunDirError(
+            f"output directory {path} is a file; a run writes a folder: choose a new --out"
+        )
     return RunDirError(
         f"output directory {path} already exists and is not empty; a run never "
         "overwrites another run: choose a new --out, or resume it with --resume"
@@ -439,6 +461,19 @@ def _not_empty(path: Path) -> RunDirError:
 
 
 _CHECKPOINT_NAME = re.compile(r"round_(\d+)\..*")
+
+
+def _checkpoint_names(round: int) -> tuple[str, ...]:
+    """The files fedloom writes for round ``round``'s checkpoint: the manifest, the tensors,
+    and their temporary names (engine/checkpoint.py); pruning deletes only these."""
+    stem = f"round_{round:06d}"
+    names = (f"{stem}{MANIFEST_SUFFIX}", f"{stem}{TENSOR_SUFFIX}")
+    return (*names, *(f"{n}.tmp" for n in names))
+
+
+def _legacy(digits: str) -> str:
+    """An older fedloom's pickle checkpoint of that round (reported, never loaded)."""
+    return f"round_{digits}.pt"
 
 
 def _is_checkpoint_file(path: Path) -> bool:

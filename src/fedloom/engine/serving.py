@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from fedloom.core import pytree
 from fedloom.core.files import strict_json
+from fedloom.core.runpaths import under, write_text_atomic
 from fedloom.engine.context import Callback, RunContext
 from fedloom.engine.metrics import EvalCounts, client_quantiles, pooled
 from fedloom.errors import ConfigError
@@ -109,7 +110,7 @@ class ServingCopies(Callback):
     def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
         summary = self.summary(ctx, state)
         if ctx.run_dir is not None:
-            self.write(ctx, state, ctx.run_dir.path / SERVING_DIR, summary)
+            self.write(ctx, state, ctx.run_dir.file(SERVING_DIR), summary)
         return {"serving": summary}
 
     # -- the copies -----------------------------------------------------------------------
@@ -207,7 +208,8 @@ class ServingCopies(Callback):
 
     def write(self, ctx: RunContext, state: RunState, folder: Path, served: dict[str, Any]) -> None:
         """``serving/``: the final global and client models, the kept copies, serving.json
-        (``served``: summary.json's ``serving``)."""
+        (``served``: summary.json's ``serving``). ``folder`` is RUN/serving, checked: each file
+        in it is named through ``under`` (core/runpaths.py), so a link there is refused."""
         folder.mkdir(parents=True, exist_ok=True)
         model = ctx.algorithm.global_model(state.server)
         deployed = ctx.evaluation.deployed
@@ -225,7 +227,7 @@ class ServingCopies(Callback):
             if tree is not None:
                 save_file(
                     {k: v.detach().cpu().contiguous().clone() for k, v in tree.items()},
-                    folder / FILES[name],
+                    under(folder, FILES[name]),
                 )
                 written[name] = FILES[name]
         meta = {
@@ -243,7 +245,7 @@ class ServingCopies(Callback):
             "personal": personal,
             "serving": served,
         }
-        (folder / META_FILE).write_text(strict_json(meta, indent=2))
+        write_text_atomic(under(folder, META_FILE), strict_json(meta, indent=2))
 
 
 def check_routable(ctx: RunContext) -> None:

@@ -72,9 +72,25 @@ def checkpoint_payload(run_dir: RunDir) -> dict[str, Any]:
     RunDirError when there is none."""
     saved = run_dir.latest_checkpoint()
     if saved is None:
-        raise RunDirError(f"{run_dir.path} has no checkpoint to resume from")
+        raise no_checkpoint(run_dir)
     run_dir.check_drift(saved)
     return saved
+
+
+def no_checkpoint(run_dir: RunDir) -> RunDirError:
+    """The refusal to resume a run that stopped before its first checkpoint, with the ways on:
+    its config.yaml run again into a new folder, or the folder deleted and reused."""
+    every = (run_dir.config or {}).get("checkpoint", {}).get("every")
+    why = (
+        "it was run without checkpoints (checkpoint.every is not set)"
+        if every is None
+        else f"it stopped before its first checkpoint (checkpoint.every: {every})"
+    )
+    return RunDirError(
+        f"{run_dir.path} has no checkpoint to resume from: {why}, so there is nothing to "
+        f"continue. Start it again in a new folder: `fedloom run {run_dir.config_path} --out "
+        "NEW_DIR` (copy config.yaml out and delete the folder first to reuse its name)"
+    )
 
 
 def note_finished(done: int, rounds: int, path: Path) -> None:

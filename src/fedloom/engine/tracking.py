@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedloom.config import RunConfig
+from fedloom.core.runpaths import under
 from fedloom.errors import ConfigError
 
 PER_CLIENT = {"client_accuracy", "client_update_norm", "cosine", "client_info"}
@@ -108,7 +109,7 @@ def make_trackers(config: RunConfig, run_dir: Path | None, run_name: str) -> lis
                 "tracking.tensorboard writes under the run directory: run with a run "
                 "directory (fedloom run, or fedloom.run(..., write=True))"
             )
-        trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+        trackers.append(TensorBoardTracker(under(run_dir, "tensorboard")))
     if tracking.mlflow:
         trackers.append(MLflowTracker(tracking.mlflow, tracking.experiment, run_name, config))
     return trackers

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
@@ -12,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from fedloom.core.runpaths import under, write_text_atomic
 from fedloom.report import format as fmt
 from fedloom.report import rl
 from fedloom.report.alerts import Alert, evaluate_alerts
@@ -39,13 +39,8 @@ PLOTLY_CONFIG: dict[str, Any] = {
 def write_report(run_dir: str | Path) -> Path:
     """(Re)build ``RUN_DIR/report.html`` from the run's files and return its path."""
     run = load_run(run_dir)
-    target = run.run_dir / REPORT_FILE
-    tmp = target.with_name(f".{REPORT_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(render_report(run), encoding="utf-8")
-        os.replace(tmp, target)  # a browser reloading mid-write never sees half a page
-    finally:
-        tmp.unlink(missing_ok=True)
+    target = under(run.run_dir, REPORT_FILE)
+    write_text_atomic(target, render_report(run))  # a browser reloading never sees half a page
     return target
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.core.files import read_yaml_mapping
+from fedloom.core.runpaths import refuse_links, under
 from fedloom.errors import RunDirError
 
 CONFIG_FILE = "config.yaml"
@@ -108,23 +109,25 @@ def latest(run: RunData, *keys: str) -> Any:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """Load ``run_dir``; raise RunDirError if it or a required file is missing."""
+    """Load ``run_dir``; raise RunDirError if it or a required file is missing, or if it
+    holds a symbolic link (core/runpaths.py)."""
     path = Path(run_dir)
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
         raise RunDirError(f"run directory '{path}' {what}")
-    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    refuse_links(path)
+    missing = [name for name in REQUIRED_FILES if not under(path, name).is_file()]
     if missing:
         raise RunDirError(
             f"run directory '{path}' has no {' and no '.join(missing)}; "
             "is it the output directory of a fedloom run?"
         )
     notes: list[str] = []
-    config = _load_config(path / CONFIG_FILE)
-    rounds = _load_metrics(path / METRICS_FILE, notes)
-    summary = _load_json_mapping(path / SUMMARY_FILE, notes)
-    histogram = _load_label_histogram(path / LABEL_HISTOGRAM_FILE, notes)
-    heterogeneity = _load_json_mapping(path / HETEROGENEITY_FILE, notes)
+    config = _load_config(under(path, CONFIG_FILE))
+    rounds = _load_metrics(under(path, METRICS_FILE), notes)
+    summary = _load_json_mapping(under(path, SUMMARY_FILE), notes)
+    histogram = _load_label_histogram(under(path, LABEL_HISTOGRAM_FILE), notes)
+    heterogeneity = _load_json_mapping(under(path, HETEROGENEITY_FILE), notes)
     return RunData(path, config, rounds, summary, histogram, notes, heterogeneity)
 
 

@@ -18,6 +18,11 @@ from ``clients/`` deploy the global model.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fedloom.core.files import inside, one_line, read_json_object, read_yaml_mapping, strict_json
+from fedloom.core.runpaths import under
+from fedloom.engine.rundir import RunDir
 from fedloom.engine.serving import FILES, META_FILE, SERVING_DIR
 from fedloom.errors import RunDirError
 from fedloom.models import build_model
@@ -96,18 +103,44 @@ def _split_clients(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torc
 
 
 def _export_target(run_dir: Path, out: str | Path | None) -> Path:
-    """Where the export goes, after checking that ``run_dir`` kept deployable models."""
-    if not (run_dir / "config.yaml").is_file():
-        raise RunDirError(f"{run_dir} is not a fedloom run directory (no config.yaml)")
-    if not (run_dir / SERVING_DIR / META_FILE).is_file():
+    """Where the export goes, after checking that ``run_dir`` holds no symbolic link
+    (core/runpaths.py) and kept deployable models."""
+    RunDir.open_existing(run_dir)
+    if not under(run_dir, SERVING_DIR, META_FILE).is_file():
         raise RunDirError(
             f"{run_dir} has no {SERVING_DIR}/{META_FILE}: only runs with a serving section keep "
             "deployable models (serving: {keep_best: true, ema: 0.99}, docs/serving.md)"
         )
-    target = Path(out) if out is not None else run_dir / EXPORT_DIR
+    target = Path(out) if out is not None else under(run_dir, EXPORT_DIR)
+    if target.is_file():
+        raise RunDirError(f"export directory {target} is a file; choose a new --out")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise RunDirError(f"export directory {target} exists and is not empty; choose a new --out")
     return target
+
+
+@contextlib.contextmanager
+def _staged(target: Path) -> Iterator[Path]:
+    """A temporary folder beside ``target`` (in the same parent, so the last step is one
+    rename) that becomes ``target`` when the block ends, or is removed if it fails: an export
+    is whole or absent, never partial."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        )
+        stage.chmod(0o755)  # mkdtemp's folder is the owner's only; an export is shared
+    except OSError as err:
+        raise RunDirError(f"cannot write export directory {target}: {err.strerror}") from None
+    try:
+        yield stage
+        os.replace(stage, target)  # an empty target folder is replaced, a full one refused
+    except OSError as err:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise RunDirError(f"cannot write export directory {target}: {err.strerror}") from None
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
 
 
 def _export_copy(
@@ -164,24 +197,25 @@ def _card(run_dir: Path, meta: Json, summary: Json, config: Json, copies: Json) 
 def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``out`` (default ``RUN_DIR/export``) from ``RUN_DIR/serving``; returns the card."""
     run_dir = Path(run_dir)
-    source = run_dir / SERVING_DIR
+    source = under(run_dir, SERVING_DIR)
     target = _export_target(run_dir, out)
-    meta = _read_meta(source / META_FILE)
-    summary_path = run_dir / "summary.json"
+    meta = _read_meta(under(source, META_FILE))
+    summary_path = under(run_dir, "summary.json")
     summary = read_json_object(summary_path) if summary_path.is_file() else {}
-    config = read_yaml_mapping(run_dir / "config.yaml")
+    config = read_yaml_mapping(under(run_dir, "config.yaml"))
     serving = _serving_facts(summary, meta)
     final = summary.get("final") or {}
     copies: dict[str, Any] = {}
-    for name, filename in meta["files"].items():
-        # the file names serving.json gives are read inside RUN/serving only; what is written
-        # is named here (FILES, clients/...), never after them
-        tensors = _load(inside(source, filename, f"{META_FILE} files.{name}"))
-        entry = _export_copy(name, tensors, target, meta["model"])
-        entry.update(_metrics(name, final, serving))
-        copies[name] = entry
-    card = _card(run_dir, meta, summary, config, copies)
-    (target / CARD_FILE).write_text(strict_json(card, indent=2))
+    with _staged(target) as stage:
+        for name, filename in meta["files"].items():
+            # the file names serving.json gives are read inside RUN/serving only; what is
+            # written is named here (FILES, clients/...), never after them
+            tensors = _load(inside(source, filename, f"{META_FILE} files.{name}"))
+            entry = _export_copy(name, tensors, stage, meta["model"])
+            entry.update(_metrics(name, final, serving))
+            copies[name] = entry
+        card = _card(run_dir, meta, summary, config, copies)
+        (stage / CARD_FILE).write_text(strict_json(card, indent=2))
     return target / CARD_FILE
 
 
