@@ -53,8 +53,8 @@ def under(root: str | Path, *parts: str | Path, what: str = "run directory file"
 
 
 def find_link(root: str | Path) -> Path | None:
-    """The first symbolic link anywhere below ``root`` (in sorted order), or None. Links to
-    folders are found, not entered."""
+    """The first symbolic link anywhere below ``root`` (a folder's own entries, sorted, before
+    its subfolders'), or None. Links to folders are found, not entered."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(dirnames + filenames):
