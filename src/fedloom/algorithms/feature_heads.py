@@ -40,6 +40,7 @@ from fedloom.algorithms.fedper import FedPer
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientTask, Message, State
 from fedloom.core.pytree import Tree
+from fedloom.errors import ConfigError
 from fedloom.models.base import FedModel
 from fedloom.solvers.objective_sgd import single_head
 from fedloom.solvers.program import Batch, Carry, Ops
@@ -108,6 +109,12 @@ def wrap(cls: type[HeadBeside], module: FedModel, algorithm: str, **options: Any
     if isinstance(module, cls):
         return module
     head = single_head(FunctionalModel(module, "classification"), algorithm)
+    if not any(not k.startswith(head + ".") for k, _ in module.named_parameters()):
+        raise ConfigError(
+            f"algorithm.name: {algorithm} splits the model into a feature extractor and its "
+            f"head, and {type(module).__name__} has no parameters outside its head {head!r}; "
+            "use e.g. model.name: mlp or cnn"
+        )
     return cls(module, head, **options)
 
 
@@ -138,8 +145,7 @@ class FeatureHeads(FedPer):
         module = ctx.model.module
         assert isinstance(module, self.Model), f"{self.name} runs on its own model (model_for)"
         self.module: HeadBeside = module
-        head = self.head_modules[0]
-        self.head_keys = (f"{head}.weight", f"{head}.bias")
+        self.head_keys = tuple(k for k in self.split.local_params)  # (weight[, bias])
 
     def local_keys(self) -> set[str]:
         return super().local_keys() | {CONDITION}

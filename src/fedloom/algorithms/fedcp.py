@@ -146,7 +146,8 @@ class FedCPModel(HeadBeside):
         super().__init__(model, head)
         self.tau = tau
         self.policy = ConditionalPolicy(self.dim)
-        self.global_head = nn.Linear(self.dim, self.num_classes)
+        bias = model.get_submodule(head).bias is not None
+        self.global_head = nn.Linear(self.dim, self.num_classes, bias=bias)  # the head's copy
 
     def route(
         self, h: torch.Tensor, head: nn.Linear, noise: torch.Tensor | None = None
@@ -164,11 +165,12 @@ class FedCP(FeatureHeads):
     @classmethod
     def model_for(cls, module: FedModel, config: AlgorithmConfig) -> FedModel:
         assert isinstance(config, FedCPConfig)
-        return wrap(FedCPModel, module, cls.name, tau=config.tau)
+        return wrap(cls.Model, module, cls.name, tau=config.tau)
 
     def __init__(self, config: AlgorithmConfig, ctx: Any) -> None:
         super().__init__(config, ctx)
-        self.global_keys = ("global_head.weight", "global_head.bias")
+        head = ("weight", "bias")[: len(self.head_keys)]
+        self.global_keys = tuple(f"global_head.{k}" for k in head)
 
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
         """The global head starts as a copy of the model's initial head (the code's deepcopy)."""
