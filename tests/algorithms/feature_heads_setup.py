@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from fedloom.algorithms import ALGORITHMS, AlgorithmContext, ClientTask, parse_algorithm_config
@@ -42,10 +41,3 @@ def digits_task(client: int, steps: int, lr: float = 0.1, batch_size: int = 8) -
     plan = PlanMaker(0, batch_size)(data, steps, "batches", 1, client)
     return ClientTask(client, data, plan, lr, 1)
 
-
-def plain_sgd(leaves: dict[str, torch.Tensor], loss: torch.Tensor, lr: float) -> None:
-    """One SGD step of ``leaves`` (leaf tensors with requires_grad) on ``loss``, in place."""
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    with torch.no_grad():
-        for p, g in zip(leaves.values(), grads, strict=True):
-            p -= lr * g

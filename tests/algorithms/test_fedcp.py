@@ -125,7 +125,7 @@ def test_a_client_round_is_plain_torch_fedcp(lamda):
     up, kept = result.upload["params"], result.state["params"]
     assert sorted(kept) == ["model.fc3.bias", "model.fc3.weight"]  # the personalized head stays
     for k in kept:
-        # measured: 6e-8 apart
+        # measured: at most 7.5e-8 apart (lamda 5; 1.5e-8 with lamda 0)
         assert torch.allclose(kept[k], want[k], atol=1e-5), k
     for k in up:
         if k.startswith("global_head"):  # frozen, uploaded as 1/2 (personalized + global)
@@ -185,7 +185,7 @@ def test_a_constant_policy_without_mmd_is_fedper_or_fedrep(share, reference):
     assert fedcp.client_params.keys() == other.client_params.keys()
     for c, params in other.client_params.items():
         for key, value in params.items():
-            # measured: at most 1.2e-7 apart (another trainer, another summation order)
+            # measured: bit for bit (0.0 apart), though FedPer and FedRep run another trainer
             assert torch.allclose(fedcp.client_params[c]["model." + key], value, atol=1e-5), (
                 c,
                 key,
@@ -225,10 +225,10 @@ def test_fedcp_killed_and_resumed_equals_uninterrupted(tmp_path):
     killed_and_resumed(config, tmp_path, crash_round=3)
 
 
-@pytest.mark.heavy(budget=120)
+@pytest.mark.heavy(budget=240)
 def test_fedcp_beats_fedavg_on_label_shards(data_root):
-    # Measured (seed 0, 20 rounds of the setup): personalized mean ...; FedAvg's global model
-    # on the same clients 0.6215.
+    # Measured (seed 0, the setup's 20 rounds, defaults lamda 5 and Gumbel noise): personalized
+    # mean 0.9326 (P10 0.8543); FedPer 0.9548; FedAvg's global model on the same clients 0.6215.
     result = run_pfl({"name": "fedcp"})
     accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
     assert accuracy >= fedavg_accuracy_on_clients() + 0.25, accuracy

@@ -136,7 +136,7 @@ def test_a_client_round_is_plain_torch_gpfl(lamda, mu):
     assert sorted(kept) == ["model.fc3.bias", "model.fc3.weight"]  # the personalized head stays
     assert "embedding.weight" in up and "gamma.linear.weight" in up  # GCE and CoV are shared
     for k, value in {**up, **kept}.items():
-        # measured: at most 1.2e-7 apart
+        # measured: at most 3.0e-7 apart
         assert torch.allclose(value, want[k], atol=1e-5), k
 
 
@@ -185,10 +185,10 @@ def test_gpfl_killed_and_resumed_equals_uninterrupted(tmp_path):
     killed_and_resumed(config, tmp_path, crash_round=3)
 
 
-@pytest.mark.heavy(budget=120)
+@pytest.mark.heavy(budget=240)
 def test_gpfl_beats_fedavg_on_label_shards(data_root):
-    # Measured (seed 0, 20 rounds of the setup): personalized mean ...; FedAvg's global model
-    # on the same clients 0.6215.
+    # Measured (seed 0, the setup's 20 rounds, defaults lamda 0.01, mu 0.1): personalized mean
+    # 0.9476 (P10 0.8937); FedPer 0.9548; FedAvg's global model on the same clients 0.6215.
     result = run_pfl({"name": "gpfl"})
     accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
     assert accuracy >= fedavg_accuracy_on_clients() + 0.25, accuracy
