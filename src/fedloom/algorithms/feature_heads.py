@@ -169,7 +169,15 @@ class FeatureHeads(FedPer):
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
+        """FedPer's [server's shared part, own head], conditioned on what it deploys."""
         return self.conditioned(*super().deployed_model(server, state, task), task)
+
+    def fresh_client_model(
+        self, params: Tree, buffers: Tree, task: ClientTask
+    ) -> tuple[Tree, Tree]:
+        """FedPer's (the initial head, fine-tuned with ``finetune_steps``) on the model
+        conditioned as the client's training would be."""
+        return super().fresh_client_model(*self.conditioned(params, buffers, task), task)
 
     def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
         return self.conditioned(*super().new_client_model(server, task), task)
