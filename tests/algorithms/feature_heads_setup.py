@@ -40,4 +40,3 @@ def digits_task(client: int, steps: int, lr: float = 0.1, batch_size: int = 8) -
     data = load_dataset(cfg.data, cfg.seed).clients[client]
     plan = PlanMaker(0, batch_size)(data, steps, "batches", 1, client)
     return ClientTask(client, data, plan, lr, 1)
-

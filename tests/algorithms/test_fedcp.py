@@ -202,6 +202,12 @@ def test_fedcp_differs_from_fedper():
     assert diff.max() > 1e-3
 
 
+@pytest.mark.parametrize(("key", "value"), [("lamda", -1.0), ("tau", 0.0)])
+def test_invalid_hyperparameters_name_the_key(key, value):
+    with pytest.raises(ConfigError, match=re.escape(f"algorithm.{key}")):
+        run({"name": "fedcp", key: value})
+
+
 def test_sample_dp_is_refused():
     config = digits_config({"name": "fedcp"})
     config["privacy"] = {"kind": "sample_dp", "noise_multiplier": 1.0, "clip": 1.0}
