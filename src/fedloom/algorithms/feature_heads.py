@@ -28,14 +28,13 @@ sets ``condition`` before a round's local steps (``local_start``) and in the dep
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedloom.algorithms.base import AlgorithmConfig, SGDProgram
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, SGDProgram
 from fedloom.algorithms.fedper import FedPer
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientTask, Message, State
@@ -98,10 +97,6 @@ class HeadBeside(FedModel):
         """The output in place of ``head(h)``; ``head``'s tensors are the personalized head's."""
         raise NotImplementedError
 
-    def extra_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        """The modules beside the user's model (every child but ``model``)."""
-        return ((n, m) for n, m in self.named_children() if n != "model")
-
 
 def wrap(cls: type[HeadBeside], module: FedModel, algorithm: str, **options: Any) -> HeadBeside:
     """``cls`` around ``module``, whose head must be one ``nn.Linear`` (a ConfigError naming
@@ -140,7 +135,7 @@ class FeatureHeads(FedPer):
     def model_for(cls, module: FedModel, config: AlgorithmConfig) -> FedModel:
         return wrap(cls.Model, module, cls.name)
 
-    def __init__(self, config: AlgorithmConfig, ctx: Any) -> None:
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         module = ctx.model.module
         assert isinstance(module, self.Model), f"{self.name} runs on its own model (model_for)"

@@ -64,7 +64,7 @@ from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
-from fedloom.algorithms.base import AlgorithmConfig
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.feature_heads import (
     CONDITION,
     INNER,
@@ -167,7 +167,7 @@ class FedCP(FeatureHeads):
         assert isinstance(config, FedCPConfig)
         return wrap(cls.Model, module, cls.name, tau=config.tau)
 
-    def __init__(self, config: AlgorithmConfig, ctx: Any) -> None:
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         head = ("weight", "bias")[: len(self.head_keys)]
         self.global_keys = tuple(f"global_head.{k}" for k in head)

@@ -64,7 +64,7 @@ from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
-from fedloom.algorithms.base import AlgorithmConfig
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.feature_heads import (
     CONDITION,
     FeatureHeads,
@@ -140,7 +140,7 @@ class GPFL(FeatureHeads):
     Config = GPFLConfig
     Model = GPFLModel
 
-    def __init__(self, config: AlgorithmConfig, ctx: Any) -> None:
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         self.decayed = tuple(
             k for k in ctx.model.param_keys if k.split(".")[0] in ("gamma", "beta", "embedding")
