@@ -12,10 +12,11 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 import fedloom
 from fedloom.algorithms import build_algorithm
-from fedloom.algorithms.gpfl import GPFLModel, guidance, magnitude, valve
+from fedloom.algorithms.gpfl import GPFL, GPFLModel, GPFLProgram, guidance, magnitude, valve
 from fedloom.core.functional import FunctionalModel
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
@@ -157,6 +158,38 @@ def test_an_identity_valve_deploys_the_users_model():
     x = task.data.x_test
     expected = plain.forward(inner, {}, x)
     assert torch.equal(ctx.model.forward(deployed, deployed_buffers, x), expected)
+
+
+def test_without_valve_and_guidance_gpfl_is_fedper():
+    # the personalized route without the valve and the objective without the guidance terms
+    # (their modules multiplied by 0: used, with gradient 0): what is left of GPFL's round,
+    # sharing, conditioning and deployment is FedPer's
+    class Plain(GPFLModel):
+        def route(self, h, head):
+            c = self.get_buffer("condition")
+            unused = 0.0 * (self.gamma(c).sum() + self.beta(c).sum())
+            return F.linear(h + unused, head.weight, head.bias)
+
+    class Unguided(GPFLProgram):
+        def objective(self, params, buffers, batch, carry, shared):
+            out = functional_call(self.module, (params, buffers), (batch.x,))
+            unused = 0.0 * params["embedding.weight"].sum()
+            return batch.mean(self.model.per_sample_loss(out, batch.y)) + unused
+
+    class PlainGPFL(GPFL):
+        name = "test_gpfl_plain"
+        Model = Plain
+
+        def make_program(self):
+            return Unguided(self)
+
+    gpfl = run({"name": PlainGPFL.name, "mu": 0.0}, stragglers=0.3)
+    fedper = run({"name": "fedper"}, stragglers=0.3)
+    for c, params in fedper.client_params.items():
+        for key, value in params.items():
+            # measured: bit for bit (0.0 apart)
+            assert torch.allclose(gpfl.client_params[c]["model." + key], value, atol=1e-6), (c, key)
+    assert gpfl.summary["final"]["personalized"] == fedper.summary["final"]["personalized"]
 
 
 def test_gpfl_differs_from_fedper():
