@@ -1,9 +1,8 @@
 """GPFL (Zhang et al., ICCV 2023; algorithms/gpfl.py): the conditional valve's affine map, the
 GCE's angle- and magnitude-level guidance and the conditional inputs against plain-torch
 numbers, one client's round against a plain-torch GPFL round (three SGD optimizers, as the
-authors' code), the valve's identity case (the model itself), the reduction to FedPer
-(no valve, no guidance), resume, refusals, and learning on
-the shared Fashion-MNIST shards setup."""
+authors' code), the valve's identity case (the model itself), the reduction to FedPer (no
+valve, no guidance), resume, refusals, and learning on the shared Fashion-MNIST shards setup."""
 
 from __future__ import annotations
 
