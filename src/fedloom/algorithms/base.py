@@ -21,6 +21,7 @@ from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
+from fedloom.models.base import FedModel
 from fedloom.registry import Registry
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.adamw import MOMENTS, AdamW, Moments, adamw_step, init_moments
@@ -124,6 +125,15 @@ class Algorithm:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_program": None}  # programs hold vmapped closures
+
+    @classmethod
+    def model_for(cls, module: FedModel, config: AlgorithmConfig) -> FedModel:
+        """The model a run of this algorithm trains, made from the configured one (or the one
+        handed to ``fedloom.run``) before anything else sees it (engine/build.py): ``module``
+        itself by default. FedCP and GPFL put trainable modules of their own beside its head
+        (algorithms/feature_heads.py), which are then parameters of the run like the model's
+        own: initialized, sent, checkpointed and stacked by every executor."""
+        return module
 
     # -- server ---------------------------------------------------------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
