@@ -19,6 +19,8 @@ from fedloom.errors import ConfigError
 from tests.algorithms.digits_setup import digits_config
 from tests.algorithms.pfl_setup import run_pfl
 from tests.algorithms.tiny_2nn_setup import CLASSES, client_data, features, make_ctx, run
+from tests.engine.test_determinism import CONFIG as RESUME_CONFIG
+from tests.resume import killed_and_resumed
 
 HEAD = ["fc3.weight", "fc3.bias"]
 
@@ -136,3 +138,10 @@ def test_fedrod_personal_heads_beat_the_generic_model_on_label_shards(data_root)
     accuracy = final["personalized"]["accuracy_mean"]
     assert accuracy >= 0.88, accuracy
     assert accuracy >= final["global"]["accuracy"] + 0.5, final
+
+
+def test_fedrod_killed_and_resumed_run_equals_uninterrupted(tmp_path):
+    # the client state (the personal head) is checkpointed: partial participation, stragglers
+    config = {**RESUME_CONFIG, "algorithm": {"name": "fedrod"}}
+    _, _, saved = killed_and_resumed(config, tmp_path, crash_round=5)
+    assert saved["round"] == 4

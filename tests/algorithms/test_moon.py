@@ -17,6 +17,8 @@ from fedloom.algorithms import ClientTask, build_algorithm
 from fedloom.algorithms.moon import contrastive_loss
 from fedloom.errors import ConfigError
 from tests.algorithms.tiny_2nn_setup import client_data, features, logits, make_ctx, run
+from tests.engine.test_determinism import CONFIG as RESUME_CONFIG
+from tests.resume import killed_and_resumed
 
 
 def test_contrastive_loss_equals_a_hand_computation():
@@ -136,3 +138,10 @@ def test_moon_refuses_sample_dp():
     }
     with pytest.raises(ConfigError, match="moon"):
         fedloom.run(config, write=False, progress=False)
+
+
+def test_moon_killed_and_resumed_run_equals_uninterrupted(tmp_path):
+    # the client state (the previous local model) is checkpointed: partial participation, stragglers
+    config = {**RESUME_CONFIG, "algorithm": {"name": "moon"}}
+    _, _, saved = killed_and_resumed(config, tmp_path, crash_round=5)
+    assert saved["round"] == 4
