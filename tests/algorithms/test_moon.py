@@ -145,3 +145,37 @@ def test_moon_killed_and_resumed_run_equals_uninterrupted(tmp_path):
     config = {**RESUME_CONFIG, "algorithm": {"name": "moon"}}
     _, _, saved = killed_and_resumed(config, tmp_path, crash_round=5)
     assert saved["round"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.heavy(budget=60)  # measured 11 s on a loaded 2-core machine
+def test_moon_learns_on_mnist_label_skew(data_root):
+    # MNIST over 10 clients by Dirichlet(0.5), the 2NN, all clients each round, 20 local steps
+    # of batch 32 at lr 0.05, 3 rounds. Measured global accuracy by round (seed 0):
+    #   MOON mu 1  0.339 0.325 0.402;  mu 5  0.339 0.370 0.394;  FedAvg  0.339 0.337 0.421
+    # (round 1 equals FedAvg's: no negative yet). With the 2NN MOON does not beat FedAvg here,
+    # nor with 50 steps on Dirichlet(0.1) (0.433 / 0.479 against 0.444 / 0.483, seeds 0 / 1);
+    # the paper's gains are on CIFAR CNNs with a projection head.
+    config = {
+        "seed": 0,
+        "data": {
+            "name": "mnist",
+            "num_clients": 10,
+            "partition": {"kind": "dirichlet", "alpha": 0.5},
+        },
+        "model": {"name": "mlp"},
+        "algorithm": {"name": "moon", "mu": 1.0},
+        "train": {
+            "rounds": 3,
+            "clients_per_round": 10,
+            "local_steps": 20,
+            "batch_size": 32,
+            "lr": 0.05,
+        },
+        "eval": {"every": 1},
+        "executor": {"kind": "auto"},
+    }
+    result = fedloom.run(config, write=False, progress=False)
+    curve = [row["global"]["accuracy"] for row in result.history]
+    assert curve[-1] >= 0.36, curve
+    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"], result.history
