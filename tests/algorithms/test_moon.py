@@ -128,6 +128,18 @@ def test_invalid_hyperparameters_name_the_key(algorithm, key):
         run(algorithm)
 
 
+def test_moon_refuses_a_model_without_a_body():
+    # logistic regression: the head's input is the image itself, l_con would be a constant
+    config = {
+        "data": {"name": "digits", "num_clients": 4},
+        "model": {"name": "logreg"},
+        "algorithm": {"name": "moon"},
+        "train": {"rounds": 1, "local_steps": 1},
+    }
+    with pytest.raises(ConfigError, match=r"algorithm\.name: moon .* no body"):
+        fedloom.run(config, write=False, progress=False)
+
+
 def test_moon_refuses_sample_dp():
     config = {
         "data": {"name": "digits", "num_clients": 4},

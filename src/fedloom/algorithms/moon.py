@@ -46,6 +46,7 @@ from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
+from fedloom.errors import ConfigError
 from fedloom.solvers.local import LocalSolution
 from fedloom.solvers.objective_sgd import single_head
 from fedloom.solvers.program import Batch, Carry, ClientProgram
@@ -69,6 +70,7 @@ def contrastive_loss(
     """Eq. (3) averaged over the batch: -log(e^{s_g} / (e^{s_g} + e^{s_p})) with s_g =
     cos(z, z_glob) / tau, s_p = cos(z, z_prev) / tau, i.e. log(1 + e^{s_p - s_g}); ``w``: the
     sample weights of a padded batch (None: all real)."""
+    z, z_glob, z_prev = (v.flatten(1) for v in (z, z_glob, z_prev))  # one vector a sample
     s_glob = F.cosine_similarity(z, z_glob, dim=-1) / tau
     s_prev = F.cosine_similarity(z, z_prev, dim=-1) / tau
     per = F.softplus(s_prev - s_glob)
@@ -98,6 +100,13 @@ class MOON(FedAvg):
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         self.head = single_head(ctx.model, self.name)
+        head = {k for k in ctx.model.param_keys if k.startswith(self.head + ".")}
+        if not set(ctx.model.param_keys) - head:
+            raise ConfigError(
+                f"algorithm.name: moon contrasts the representation the model's body computes, "
+                f"and {type(ctx.model.module).__name__} has no body (no parameters outside its "
+                "head); use e.g. model.name: mlp or cnn4"
+            )
 
     def init_client_state(self, server: State, client_id: int) -> State:
         """w_k^{t-1} before the client's first round: the global model (no negative yet)."""
