@@ -28,7 +28,8 @@ client holds theta_cls^0 from the shared initialization). The upload is the body
 model, so the mechanisms that need whole uploaded models (client-level DP, asynchrony, secure
 aggregation) are refused when the config is parsed. Sample-level DP applies to the body's
 steps (their gradient is DP-SGD's, the head's part dropped) when there is no fine-tuning
-(``finetune_steps: 0``), whose steps are not private.
+(``finetune_steps: 0``), whose steps are not private. ``train.optimizer: adamw`` takes AdamW
+steps on the body (``moments: round``; FedBABU keeps no client state for ``client``).
 """
 
 from __future__ import annotations
@@ -119,7 +120,10 @@ class FedBABU(FedAvgFT):
 class BodySGDProgram(SGDProgram):
     """FedAvg's local SGD with the head frozen: the step's data gradient (DP-SGD's under
     sample-level DP) on the body only; the body uploaded (``FedBABU.upload_body``). The
-    sequential backend runs it on the lean trainer (``run_lean``)."""
+    sequential backend runs it on the lean trainer (``run_lean``). With ``train.optimizer:
+    adamw`` the step on the body is AdamW's (``descend``); the head and its moments stay."""
+
+    takes_optimizer = True
 
     def __init__(self, algorithm: FedBABU) -> None:
         super().__init__(algorithm, finish=algorithm.upload_body)
