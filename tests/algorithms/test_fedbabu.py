@@ -118,6 +118,13 @@ def test_fedbabu_finetunes_the_part_it_names(part, moved, fixed):
             assert torch.equal(deployed[k], result.global_params[k]), (c, k)
         gap = max(float((deployed[k] - result.global_params[k]).abs().max()) for k in moved)
         assert gap > 1e-4, (c, gap)
+    # every client at once on the stacked model (the vectorized executor's deployment)
+    cfg = digits_config({"name": "fedbabu", "finetune_steps": 5, "finetune_part": part})
+    cfg["executor"] = {"kind": "vectorized"}
+    stacked = fedloom.run(cfg, write=False, progress=False)
+    for c in TRAINED:
+        for k, value in result.client_params[c].items():
+            assert torch.allclose(stacked.client_params[c][k], value, atol=1e-4), (c, k)
     full = run({"name": "fedbabu", "finetune_steps": 5})
     for k in BODY + HEAD:  # the paper's full fine-tuning moves both
         assert not torch.equal(full.client_params[0][k], full.global_params[k]), k
