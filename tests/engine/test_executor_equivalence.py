@@ -136,9 +136,9 @@ def test_executors_equal_sequential_mlp(algorithm, executor):
     assert_same(seq, other)
 
 
-OBJECTIVE_PROGRAMS = ["fedgen", "fedlc", "fedntd", "fedproto"]
-"""Objectives that see the logits or the head's features (FedNTD's teacher runs in evaluation
-mode: BatchNorm's running statistics)."""
+OBJECTIVE_PROGRAMS = ["fedgen", "fedlc", "fedntd", "fedproto", "fedrod", "moon"]
+"""Objectives that see the logits or the head's features (FedNTD's teacher and MOON's global
+and previous models run in evaluation mode: BatchNorm's running statistics)."""
 
 
 @pytest.mark.parametrize(

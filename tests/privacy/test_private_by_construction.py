@@ -27,7 +27,11 @@ from fedloom.solvers.steps import loss_grad, subset_loss_grad
 EXECUTORS = [{"kind": "sequential"}, {"kind": "vectorized", "chunk_size": 2}]
 
 
-NO_FINETUNING = {"fedavg_ft": {"finetune_steps": 0}, "reptile": {"adapt_steps": 0}}
+NO_FINETUNING = {
+    "fedavg_ft": {"finetune_steps": 0},
+    "fedbabu": {"finetune_steps": 0},
+    "reptile": {"adapt_steps": 0},
+}
 """Algorithms whose deployed models are fine-tuned with non-private SGD, which sample_dp
 refuses (docs/privacy.md): without the fine-tuning they are private."""
 

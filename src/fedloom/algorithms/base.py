@@ -9,7 +9,7 @@ model each client deploys (``deployed_model``). Persistent per-client state is d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -315,11 +315,13 @@ def finetuned_models(
     steps: int,
     purpose: str,
     lr: float,
+    trainable: Collection[str] | None = None,
 ) -> list[tuple[Tree, Tree]] | None:
     """``start`` after ``steps`` SGD steps at ``lr`` on each client's training data (minibatches
     from the stream (seed, purpose, round, client)), every client at once on the stacked model
     (solvers/stacked_sgd.py): a ``batched_deployment`` that fine-tunes (FedAvg-FT, the
-    meta-learners); None when the model cannot run stacked."""
+    meta-learners, FedBABU), moving only the ``trainable`` parameters (default: all); None when
+    the model cannot run stacked."""
     model = ctx.model
     if model.stacked() is None:
         return None
@@ -331,7 +333,8 @@ def finetuned_models(
         for p, t in zip(plans, tasks, strict=True)
     ]
     datas = [t.data for t in tasks]
-    return finetune_stacked(model, [start] * len(tasks), datas, plans, lr, augments=augments)
+    starts = [start] * len(tasks)
+    return finetune_stacked(model, starts, datas, plans, lr, trainable, augments=augments)
 
 
 def average_buffers(
@@ -619,10 +622,12 @@ class SGDProgram(StepProgram):
         task: ClientTask,
         objective: BatchObjective | None = None,
         head: str | None = None,
+        trainable: Collection[str] | None = None,
     ) -> ClientResult:
         """This program's SGD for one client on the one fused trainer
         (:func:`fedloom.solvers.local.local_sgd`): ``step`` as it is, or, with ``objective``,
-        plain SGD on that minibatch objective (the objective programs). Its gradients are not
+        plain SGD on that minibatch objective (the objective programs), moving the
+        ``trainable`` parameters (default: all; FedBABU's body). Its gradients are not
         private: under sample-level DP it refuses."""
         if self.private is not None:
             raise PrivacyRefused(
@@ -648,6 +653,7 @@ class SGDProgram(StepProgram):
             correction,
             self.momentum,
             objective=objective,
+            trainable=trainable,
             head=head,
             adamw=self.optimizer,
             moments=self.kept_moments(state),

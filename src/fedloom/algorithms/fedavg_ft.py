@@ -29,12 +29,17 @@ class FedAvgFT(FedAvg):
     def deployment_trains(self) -> bool:
         return self.config.finetune_steps > 0
 
+    def finetune_keys(self) -> list[str] | None:
+        """The parameters the fine-tuning moves (None: all; FedBABU may tune only the head)."""
+        return None
+
     def batched_deployment(
         self, server: State, tasks: Sequence[ClientTask]
     ) -> list[tuple[Tree, Tree]] | None:
         start = (server["params"], server["buffers"])
         lr = self.config.finetune_lr or self.ctx.lr
-        return finetuned_models(self.ctx, start, tasks, self.config.finetune_steps, "finetune", lr)
+        steps, keys = self.config.finetune_steps, self.finetune_keys()
+        return finetuned_models(self.ctx, start, tasks, steps, "finetune", lr, keys)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
@@ -52,6 +57,7 @@ class FedAvgFT(FedAvg):
             data.y_train,
             plan,
             lr,
+            trainable=self.finetune_keys(),
             augment=self.ctx.make_plan.augmentation(plan, "finetune", task.round, task.client_id),
         )
         return solved.params, solved.buffers
