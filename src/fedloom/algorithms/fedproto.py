@@ -76,6 +76,15 @@ class FedProtoConfig(AlgorithmConfig):
     )
 
 
+def linear_head(model: FunctionalModel, algorithm: str) -> tuple[str, int, int]:
+    """(name, representation dimension, classes) of the model's head, one ``nn.Linear``
+    (:func:`fedloom.solvers.objective_sgd.single_head`: a clear error otherwise)."""
+    head = single_head(model, algorithm)
+    linear = model.module.get_submodule(head)
+    assert isinstance(linear, nn.Linear)
+    return head, linear.in_features, linear.out_features
+
+
 @torch.no_grad()
 def class_prototypes(
     model: FunctionalModel,
@@ -102,6 +111,52 @@ def class_prototypes(
         module.train()
     dtype = next(iter(params.values())).dtype
     return (sums / counts.clamp_min(1)[:, None]).to(dtype), counts
+
+
+def prototype_upload(
+    model: FunctionalModel,
+    head: str,
+    params: Tree,
+    buffers: Tree,
+    task: ClientTask,
+    num_classes: int,
+    dim: int,
+) -> Tree:
+    """What a client uploads of its class prototypes (FedProto, FedPAC, FedGH): the ids of the
+    classes it holds, their mean head input over its training data and their counts."""
+    data = task.data
+    means, counts = class_prototypes(
+        model, head, params, buffers, data.x_train, data.y_train, num_classes, dim
+    )
+    ids = torch.nonzero(counts).flatten()
+    return {"ids": ids, "mean": means[ids], "count": counts[ids]}
+
+
+def aggregate_prototypes(
+    ctx: AlgorithmContext,
+    table: torch.Tensor,
+    known: torch.Tensor,
+    results: list[ClientResult],
+    weighting: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, known) after a round: each class's prototype is the ``ctx.aggregate`` of the
+    uploads (``results[i].upload['protos']``) that hold it, weighted by class counts
+    (``weighting: samples``, FedProto's eq. 7) or 1 (``uniform``); a class nobody reported
+    keeps its row of ``table``."""
+    table, known = table.clone(), known.clone()
+    for c in range(table.shape[0]):
+        means, weights = [], []
+        for r in results:
+            up = r.upload["protos"]
+            rows = torch.nonzero(up["ids"] == c).flatten()
+            if rows.numel():
+                means.append({"mean": up["mean"][rows[0]]})
+                count = float(up["count"][rows[0]])
+                weights.append(count if weighting == "samples" else 1.0)
+        if means:
+            table[c] = ctx.aggregate(means, weights)["mean"]
+            known[c] = True
+    return table, known
 
 
 def prototype_loss(
@@ -139,10 +194,7 @@ class FedProto(Algorithm):
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
-        self.head = single_head(ctx.model, self.name)
-        linear = ctx.model.module.get_submodule(self.head)
-        assert isinstance(linear, nn.Linear)
-        self.dim, self.num_classes = linear.in_features, linear.out_features
+        self.head, self.dim, self.num_classes = linear_head(ctx.model, self.name)
 
     # -- server ---------------------------------------------------------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
@@ -161,19 +213,9 @@ class FedProto(Algorithm):
         return {"protos": {"ids": ids, "mean": server["protos"][ids]}}
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        table, known = server["protos"].clone(), server["known"].clone()
-        for c in range(self.num_classes):
-            means, weights = [], []
-            for r in results:
-                up = r.upload["protos"]
-                rows = torch.nonzero(up["ids"] == c).flatten()
-                if rows.numel():
-                    means.append({"mean": up["mean"][rows[0]]})
-                    count = float(up["count"][rows[0]])
-                    weights.append(count if self.config.weighting == "samples" else 1.0)
-            if means:
-                table[c] = self.ctx.aggregate(means, weights)["mean"]
-                known[c] = True
+        table, known = aggregate_prototypes(
+            self.ctx, server["protos"], server["known"], results, self.config.weighting
+        )
         return {**server, "protos": table, "known": known}
 
     # -- client ---------------------------------------------------------------------------
@@ -188,21 +230,19 @@ class FedProto(Algorithm):
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
         """Upload the held classes' prototypes of the trained model, keep the model."""
-        data = task.data
-        means, counts = class_prototypes(
+        protos = prototype_upload(
             self.ctx.model,
             self.head,
             solved.params,
             solved.buffers,
-            data.x_train,
-            data.y_train,
+            task,
             self.num_classes,
             self.dim,
         )
-        ids = torch.nonzero(counts).flatten()
-        upload = {"protos": {"ids": ids, "mean": means[ids], "count": counts[ids]}}
         new_state = {"params": solved.params, "buffers": solved.buffers}
-        return ClientResult(upload, float(data.num_train), solved.loss, state=new_state)
+        return ClientResult(
+            {"protos": protos}, float(task.data.num_train), solved.loss, state=new_state
+        )
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
