@@ -86,6 +86,38 @@ def linear_head(model: FunctionalModel, algorithm: str) -> tuple[str, int, int]:
 
 
 @torch.no_grad()
+def class_moments(
+    model: FunctionalModel,
+    head: str,
+    params: Tree,
+    buffers: Tree,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    dim: int,
+    batch_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(means, squares, counts): the mean head input h(x) of each class over (x, y) in
+    evaluation mode, shape (num_classes, dim), the mean of ||h(x)||^2 of each class, shape
+    (num_classes,) (zero for absent classes, both in float64), and the class counts
+    (int64)."""
+    module = model.module
+    module.eval()
+    sums = torch.zeros(num_classes, dim, dtype=torch.float64)
+    squares = torch.zeros(num_classes, dtype=torch.float64)
+    counts = torch.bincount(y, minlength=num_classes)
+    try:
+        for start in range(0, int(x.shape[0]), batch_size):
+            _, h = model.forward_with_features(params, buffers, x[start : start + batch_size], head)
+            labels, h = y[start : start + batch_size], h.to(torch.float64)
+            sums.index_add_(0, labels, h)
+            squares.index_add_(0, labels, (h**2).sum(dim=1))
+    finally:
+        module.train()
+    per_class = counts.clamp_min(1).to(torch.float64)
+    return sums / per_class[:, None], squares / per_class, counts
+
+
 def class_prototypes(
     model: FunctionalModel,
     head: str,
@@ -99,18 +131,10 @@ def class_prototypes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(means, counts): the mean head input h(x) of each class over (x, y) in evaluation mode,
     shape (num_classes, dim) (zero rows for absent classes), and the class counts (int64)."""
-    module = model.module
-    module.eval()
-    sums = torch.zeros(num_classes, dim, dtype=torch.float64)
-    counts = torch.bincount(y, minlength=num_classes)
-    try:
-        for start in range(0, int(x.shape[0]), batch_size):
-            _, h = model.forward_with_features(params, buffers, x[start : start + batch_size], head)
-            sums.index_add_(0, y[start : start + batch_size], h.to(torch.float64))
-    finally:
-        module.train()
-    dtype = next(iter(params.values())).dtype
-    return (sums / counts.clamp_min(1)[:, None]).to(dtype), counts
+    means, _, counts = class_moments(
+        model, head, params, buffers, x, y, num_classes, dim, batch_size
+    )
+    return means.to(next(iter(params.values())).dtype), counts
 
 
 def prototype_upload(
@@ -130,6 +154,17 @@ def prototype_upload(
     )
     ids = torch.nonzero(counts).flatten()
     return {"ids": ids, "mean": means[ids], "count": counts[ids]}
+
+
+def prototype_table(sent: Tree, num_classes: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, known) on a client: the broadcast prototypes (``sent``: their class ids and
+    means) as a (num_classes, dim) table, zero where a class has none, and the mask of the
+    classes that have one."""
+    table = torch.zeros(num_classes, dim, dtype=sent["mean"].dtype)
+    table[sent["ids"]] = sent["mean"]
+    known = torch.zeros(num_classes, dtype=torch.bool)
+    known[sent["ids"]] = True
+    return table, known
 
 
 def aggregate_prototypes(
@@ -267,11 +302,7 @@ class FedProtoProgram(ObjectiveProgram):
         return message["protos"]["ids"].numel() > 0 and (cfg.lam > 0 or cfg.repel > 0)
 
     def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
-        sent = message["protos"]
-        table = torch.zeros(self.num_classes, self.dim, dtype=sent["mean"].dtype)
-        table[sent["ids"]] = sent["mean"]
-        known = torch.zeros(self.num_classes, dtype=torch.bool)
-        known[sent["ids"]] = True
+        table, known = prototype_table(message["protos"], self.num_classes, self.dim)
         return {**super().shared(message, task), "protos": table, "known": known}
 
     def objective(self, fwd: Forward, batch: Batch, carry: Carry, shared: Shared) -> torch.Tensor:
