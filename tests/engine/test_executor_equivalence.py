@@ -207,8 +207,9 @@ def test_dropout_masks_follow_each_clients_stream():
     assert_same(a, b)
 
 
-CHUNK_HYPER = {"fedrep": {"head_steps": 2}}
-"""FedRep's head phase is epochs long by default, unequal across clients of unequal sizes."""
+CHUNK_HYPER = {"fedrep": {"head_steps": 2}, "fedpac": {"head_steps": 2}}
+"""FedRep's and FedPAC's head phases are epochs long by default, unequal across clients of
+unequal sizes."""
 
 
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])
