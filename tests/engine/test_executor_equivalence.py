@@ -27,6 +27,11 @@ HYPER = {
     # with sample weights one ReLU input of client 5 sits 3.7e-9 from zero in round 2, and
     # float summation order flips it (1.07e-4 apart); uniform weights keep all within 3e-8
     "fedper": {"weighting": "uniform"},
+    # the top-tau ranking of FedCAC's critical parameters is discontinuous: the backends' 1e-8
+    # summation differences reorder parameters at a layer's threshold and flip them between
+    # the collaborators' mean and w_bar; tau 1 keeps every parameter that moved (exact on both)
+    # and compares the overlaps, the collaboration and the personalized models
+    "fedcac": {"tau": 1.0},
 }
 
 NEEDS_NORM_LAYERS = {"fedbn"}

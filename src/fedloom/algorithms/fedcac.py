@@ -109,7 +109,7 @@ def collaborators(rates: torch.Tensor, t: int, beta: float) -> torch.Tensor:
         return eye
     others = rates[~eye]
     avg, top = others.mean(), others.max()
-    threshold = avg + (t / beta) * (top - avg)
+    threshold = torch.lerp(avg, top, t / beta)  # exactly o_max at t = beta
     return eye | ((rates >= threshold) & ~eye)
 
 
