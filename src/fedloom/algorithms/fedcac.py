@@ -79,7 +79,7 @@ def critical_mask(before: Tree, after: Tree, tau: float) -> Tree:
         metric = ((new - before[key]) * new).abs().flatten()
         count = int(tau * metric.numel())
         if count == 0:
-            masks[key] = torch.zeros(new.shape, dtype=torch.bool)
+            masks[key] = torch.zeros_like(new, dtype=torch.bool)
             continue
         threshold = torch.topk(metric, count).values[-1]
         if float(threshold) <= FLAT_METRIC:
