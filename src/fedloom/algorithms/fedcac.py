@@ -15,12 +15,12 @@ One round (client k of the m training clients)::
     server:    w_bar <- sum_k n_k w_k / sum_k n_k over the round's clients     # non-critical
                keep each client's latest w_k, c_k; over the clients that have trained:
                o_kj  = 1 - ||c_k - c_j||_1 / (2 ||c_k||_1)                   # eq. 6: overlap
-               T_t   = o_avg + (t / beta) (o_max - o_avg)   over the pairs k != j  # eq. 7
-               u_k   = mean of w_j over j in {k} and {j : o_kj >= T_t}          # eq. 8
-               w_k^{t+1} = c_k * u_k + (1 - c_k) * w_bar      for the round t+1 = t
+               T     = o_avg + ((t + 1) / beta) (o_max - o_avg)  over pairs k != j # eq. 7
+               u_k   = mean of w_j over j in {k} and {j : o_kj >= T}             # eq. 8
+               w_k^{t+1} = c_k * u_k + (1 - c_k) * w_bar   # k's start in round t + 1
 
-with t the (1-based) round the personalized models are for: early rounds collaborate widely
-on critical parameters, and from round beta on only the most similar clients (or none).
+with t the (1-based) round just trained: early rounds collaborate widely
+on critical parameters, and from round beta on only the most similar pairs (then none).
 A layer whose top-tau threshold is below 1e-10 uses its smallest metric above 1e-20 (the
 authors' guard against a layer that barely moved); tau |l| < 1 selects nothing.
 

@@ -16,9 +16,8 @@ prototypes (FedProto's, :func:`fedloom.algorithms.fedproto.prototype_upload`). O
                minibatches of ``server_batch_size`` at step ``server_lr``
 
 The server's minibatches come from the stream (seed, 'fedgh/header', round). Defaults: one
-pass per round at ``train.lr`` in ``train.batch_size`` minibatches (the public PFLlib
-implementation's: one pass a round with the clients' batch size, its ``server_learning_rate``
-being the step).
+pass a round in ``train.batch_size`` minibatches (as the public PFLlib implementation trains
+the header), at ``train.lr`` unless ``server_lr`` is set (PFLlib's ``server_learning_rate``).
 
 Deployed model: [phi_k, H]; a client that never trained gets the initial body with H (the
 cold-start evaluation fine-tunes the body, ``adaptation_keys``). Bytes: down the header,
