@@ -76,7 +76,48 @@ class FedProtoConfig(AlgorithmConfig):
     )
 
 
+def linear_head(model: FunctionalModel, algorithm: str) -> tuple[str, int, int]:
+    """(name, representation dimension, classes) of the model's head, one ``nn.Linear``
+    (:func:`fedloom.solvers.objective_sgd.single_head`: a clear error otherwise)."""
+    head = single_head(model, algorithm)
+    linear = model.module.get_submodule(head)
+    assert isinstance(linear, nn.Linear)
+    return head, linear.in_features, linear.out_features
+
+
 @torch.no_grad()
+def class_moments(
+    model: FunctionalModel,
+    head: str,
+    params: Tree,
+    buffers: Tree,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    dim: int,
+    batch_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(means, squares, counts): the mean head input h(x) of each class over (x, y) in
+    evaluation mode, shape (num_classes, dim), the mean of ||h(x)||^2 of each class, shape
+    (num_classes,) (zero for absent classes, both in float64), and the class counts
+    (int64)."""
+    module = model.module
+    module.eval()
+    sums = torch.zeros(num_classes, dim, dtype=torch.float64)
+    squares = torch.zeros(num_classes, dtype=torch.float64)
+    counts = torch.bincount(y, minlength=num_classes)
+    try:
+        for start in range(0, int(x.shape[0]), batch_size):
+            _, h = model.forward_with_features(params, buffers, x[start : start + batch_size], head)
+            labels, h = y[start : start + batch_size], h.to(torch.float64)
+            sums.index_add_(0, labels, h)
+            squares.index_add_(0, labels, (h**2).sum(dim=1))
+    finally:
+        module.train()
+    per_class = counts.clamp_min(1).to(torch.float64)
+    return sums / per_class[:, None], squares / per_class, counts
+
+
 def class_prototypes(
     model: FunctionalModel,
     head: str,
@@ -90,18 +131,67 @@ def class_prototypes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(means, counts): the mean head input h(x) of each class over (x, y) in evaluation mode,
     shape (num_classes, dim) (zero rows for absent classes), and the class counts (int64)."""
-    module = model.module
-    module.eval()
-    sums = torch.zeros(num_classes, dim, dtype=torch.float64)
-    counts = torch.bincount(y, minlength=num_classes)
-    try:
-        for start in range(0, int(x.shape[0]), batch_size):
-            _, h = model.forward_with_features(params, buffers, x[start : start + batch_size], head)
-            sums.index_add_(0, y[start : start + batch_size], h.to(torch.float64))
-    finally:
-        module.train()
-    dtype = next(iter(params.values())).dtype
-    return (sums / counts.clamp_min(1)[:, None]).to(dtype), counts
+    means, _, counts = class_moments(
+        model, head, params, buffers, x, y, num_classes, dim, batch_size
+    )
+    return means.to(next(iter(params.values())).dtype), counts
+
+
+def prototype_upload(
+    model: FunctionalModel,
+    head: str,
+    params: Tree,
+    buffers: Tree,
+    task: ClientTask,
+    num_classes: int,
+    dim: int,
+) -> Tree:
+    """What a client uploads of its class prototypes (FedProto, FedPAC, FedGH): the ids of the
+    classes it holds, their mean head input over its training data and their counts."""
+    data = task.data
+    means, counts = class_prototypes(
+        model, head, params, buffers, data.x_train, data.y_train, num_classes, dim
+    )
+    ids = torch.nonzero(counts).flatten()
+    return {"ids": ids, "mean": means[ids], "count": counts[ids]}
+
+
+def prototype_table(sent: Tree, num_classes: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, known) on a client: the broadcast prototypes (``sent``: their class ids and
+    means) as a (num_classes, dim) table, zero where a class has none, and the mask of the
+    classes that have one."""
+    table = torch.zeros(num_classes, dim, dtype=sent["mean"].dtype)
+    table[sent["ids"]] = sent["mean"]
+    known = torch.zeros(num_classes, dtype=torch.bool)
+    known[sent["ids"]] = True
+    return table, known
+
+
+def aggregate_prototypes(
+    ctx: AlgorithmContext,
+    table: torch.Tensor,
+    known: torch.Tensor,
+    results: list[ClientResult],
+    weighting: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, known) after a round: each class's prototype is the ``ctx.aggregate`` of the
+    uploads (``results[i].upload['protos']``) that hold it, weighted by class counts
+    (``weighting: samples``, FedProto's eq. 7) or 1 (``uniform``); a class nobody reported
+    keeps its row of ``table``."""
+    table, known = table.clone(), known.clone()
+    for c in range(table.shape[0]):
+        means, weights = [], []
+        for r in results:
+            up = r.upload["protos"]
+            rows = torch.nonzero(up["ids"] == c).flatten()
+            if rows.numel():
+                means.append({"mean": up["mean"][rows[0]]})
+                count = float(up["count"][rows[0]])
+                weights.append(count if weighting == "samples" else 1.0)
+        if means:
+            table[c] = ctx.aggregate(means, weights)["mean"]
+            known[c] = True
+    return table, known
 
 
 def prototype_loss(
@@ -139,10 +229,7 @@ class FedProto(Algorithm):
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
-        self.head = single_head(ctx.model, self.name)
-        linear = ctx.model.module.get_submodule(self.head)
-        assert isinstance(linear, nn.Linear)
-        self.dim, self.num_classes = linear.in_features, linear.out_features
+        self.head, self.dim, self.num_classes = linear_head(ctx.model, self.name)
 
     # -- server ---------------------------------------------------------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
@@ -161,19 +248,9 @@ class FedProto(Algorithm):
         return {"protos": {"ids": ids, "mean": server["protos"][ids]}}
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
-        table, known = server["protos"].clone(), server["known"].clone()
-        for c in range(self.num_classes):
-            means, weights = [], []
-            for r in results:
-                up = r.upload["protos"]
-                rows = torch.nonzero(up["ids"] == c).flatten()
-                if rows.numel():
-                    means.append({"mean": up["mean"][rows[0]]})
-                    count = float(up["count"][rows[0]])
-                    weights.append(count if self.config.weighting == "samples" else 1.0)
-            if means:
-                table[c] = self.ctx.aggregate(means, weights)["mean"]
-                known[c] = True
+        table, known = aggregate_prototypes(
+            self.ctx, server["protos"], server["known"], results, self.config.weighting
+        )
         return {**server, "protos": table, "known": known}
 
     # -- client ---------------------------------------------------------------------------
@@ -188,21 +265,19 @@ class FedProto(Algorithm):
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
     ) -> ClientResult:
         """Upload the held classes' prototypes of the trained model, keep the model."""
-        data = task.data
-        means, counts = class_prototypes(
+        protos = prototype_upload(
             self.ctx.model,
             self.head,
             solved.params,
             solved.buffers,
-            data.x_train,
-            data.y_train,
+            task,
             self.num_classes,
             self.dim,
         )
-        ids = torch.nonzero(counts).flatten()
-        upload = {"protos": {"ids": ids, "mean": means[ids], "count": counts[ids]}}
         new_state = {"params": solved.params, "buffers": solved.buffers}
-        return ClientResult(upload, float(data.num_train), solved.loss, state=new_state)
+        return ClientResult(
+            {"protos": protos}, float(task.data.num_train), solved.loss, state=new_state
+        )
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
@@ -227,11 +302,7 @@ class FedProtoProgram(ObjectiveProgram):
         return message["protos"]["ids"].numel() > 0 and (cfg.lam > 0 or cfg.repel > 0)
 
     def shared(self, message: Message, task: ClientTask) -> dict[str, Any]:
-        sent = message["protos"]
-        table = torch.zeros(self.num_classes, self.dim, dtype=sent["mean"].dtype)
-        table[sent["ids"]] = sent["mean"]
-        known = torch.zeros(self.num_classes, dtype=torch.bool)
-        known[sent["ids"]] = True
+        table, known = prototype_table(message["protos"], self.num_classes, self.dim)
         return {**super().shared(message, task), "protos": table, "known": known}
 
     def objective(self, fwd: Forward, batch: Batch, carry: Carry, shared: Shared) -> torch.Tensor:

@@ -37,12 +37,14 @@ clients: the cold-start evaluation fine-tunes the head (``adaptation_keys``), an
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, ValidationInfo, field_validator
 
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import clone
+from fedloom.core.pytree import Tree, clone
 from fedloom.errors import ConfigError
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.adamw import MOMENTS, adamw_step, init_moments
@@ -82,12 +84,15 @@ class FedRep(FedPer):
     supports_sample_dp = False  # its own head and body phases
     Config = FedRepConfig
 
+    default_head_epochs: ClassVar[int] = HEAD_EPOCHS
+    """tau_h in epochs when neither ``head_steps`` nor ``head_epochs`` is set."""
+
     def head_phase_steps(self, task: ClientTask) -> int:
         """tau_h: ``head_steps``, or ``head_epochs`` passes over the client's training data."""
         cfg = self.config
         if cfg.head_steps is not None:
             return cfg.head_steps
-        epochs = HEAD_EPOCHS if cfg.head_epochs is None else cfg.head_epochs
+        epochs = self.default_head_epochs if cfg.head_epochs is None else cfg.head_epochs
         return epochs * steps_per_epoch(task.data.num_train, self.ctx.batch_size)
 
     def phase_keys(self) -> tuple[list[str], list[str]]:
@@ -153,11 +158,16 @@ class FedRepProgram(ClientProgram):
         grads, loss = subset_loss_grad(
             ops, self.model, carry["params"], keys, carry["buffers"], batch
         )
+        return self.phase_descend(phase, ops, carry, grads, lr), {"loss": loss}
+
+    def phase_descend(self, phase: str, ops: Ops, carry: Carry, grads: Tree, lr: float) -> Carry:
+        """The carry after the phase's SGD step on ``grads`` (its keys), or AdamW's with the
+        phase's own moments (``train.optimizer``)."""
         if self.optimizer is None:
-            return {**carry, "params": ops.descend(carry["params"], grads, lr)}, {"loss": loss}
+            return {**carry, "params": ops.descend(carry["params"], grads, lr)}
         slot = f"{MOMENTS}/{phase}"
         params, moments = adamw_step(carry["params"], grads, carry[slot], lr, self.optimizer)
-        return {**carry, "params": params, slot: moments}, {"loss": loss}
+        return {**carry, "params": params, slot: moments}
 
     def head_step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
