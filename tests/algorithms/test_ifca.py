@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.algorithms.ifca import cluster_agreement
+from fedloom.algorithms.clusters import cluster_agreement
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.rng import seed_for
 from fedloom.errors import ConfigError
