@@ -21,6 +21,7 @@ from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.errors import ConfigError
+from fedloom.models.base import FedModel
 from fedloom.registry import Registry
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.adamw import MOMENTS, AdamW, Moments, adamw_step, init_moments
@@ -124,6 +125,13 @@ class Algorithm:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_program": None}  # programs hold vmapped closures
+
+    @classmethod
+    def wrap_module(cls, module: FedModel, config: AlgorithmConfig) -> FedModel:
+        """The module the run trains, evaluates and deploys, built around the configured
+        one before the engine makes its functional model (default: the module itself;
+        FedEM: a mixture of copies of it, models/mixture.py)."""
+        return module
 
     # -- server ---------------------------------------------------------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:

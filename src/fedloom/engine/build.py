@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedloom.algorithms import Algorithm, AlgorithmContext, build_algorithm
+from fedloom.algorithms import ALGORITHMS, Algorithm, AlgorithmContext, build_algorithm
 from fedloom.config import RunConfig, check_client_counts
 from fedloom.core import pytree
 from fedloom.core.files import one_line
@@ -152,6 +152,7 @@ def build_parts(
     the built-in evaluation, monitoring and privacy accounting and before the metrics log and
     checkpoints."""
     check_model_fits(module, data, config.model.name)
+    module = ALGORITHMS.get(config.algorithm.name).wrap_module(module, config.algorithm)
     model = FunctionalModel(module, data.task)
     executor = make_executor(config.executor, model)
     if config.data.num_clients != data.num_clients:  # else checked when parsed
