@@ -96,10 +96,12 @@ class IFCAConfig(AlgorithmConfig):
 
 
 def run_view(result: ClientResult, run: int) -> ClientResult:
-    """Client ``result``'s upload for initialization ``run`` (0: the top level)."""
+    """Client ``result``'s upload for initialization ``run`` (0: the top level; run r > 0's
+    trees travel as ``run<r>/<name>``)."""
     if run == 0:
         return result
-    upload = result.upload["runs"][str(run)]
+    prefix = f"run{run}/"
+    upload = {k.removeprefix(prefix): v for k, v in result.upload.items() if k.startswith(prefix)}
     return ClientResult(upload, result.weight, result.loss, client_id=result.client_id)
 
 
@@ -341,9 +343,8 @@ class IFCAProgram(SGDProgram):
     ) -> ClientResult:
         carry = run.carry
         upload = self._upload(message, task, carry, 0)
-        if "runs" in carry:
-            upload["runs"] = {
-                r: self._upload(message, task, sub, int(r)) for r, sub in carry["runs"].items()
-            }
+        for r, sub in carry.get("runs", {}).items():
+            for name, tree in self._upload(message, task, sub, int(r)).items():
+                upload[f"run{r}/{name}"] = tree
         weight = aggregation_weight(self.ifca.config.weighting, task.data.num_train)
         return ClientResult(upload, weight, run.metric(self.STEP))
