@@ -185,9 +185,10 @@ def test_fedem_killed_and_resumed_equals_uninterrupted(tmp_path):
     killed_and_resumed(config, tmp_path, crash_round=5)
 
 
-@pytest.mark.heavy(budget=240)
+@pytest.mark.heavy(budget=400)  # measured 91 s for FedEM on a loaded machine
 def test_fedem_beats_fedavg_on_rotated_mnist(data_root):
     fedem = run(rotated("mnist", {"name": "fedem", "num_components": 3}, 20))
     fedavg = run(rotated("mnist", {"name": "fedavg"}, 20))
-    # measured MEASURED against FedAvg's 0.608 (IFCA 0.874, local training 0.867)
-    assert personalized(fedem) > personalized(fedavg) + 0.05
+    # measured 0.668 against FedAvg's 0.608 (M = 4: 0.646; IFCA with k = 4 0.874, local
+    # training 0.867: docs/clustering.md): the mixture of 3 linear models over 4 rotations
+    assert personalized(fedem) > personalized(fedavg) + 0.03
