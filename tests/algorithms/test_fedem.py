@@ -4,7 +4,8 @@
 * one round by hand in plain torch: the E-step (7), the M-step (8) over the whole training
   set, a q-weighted full-batch step (9) of each component, the server's average of each;
 * the mixture model's output is the log of the pi-mixture of the components' probabilities;
-* with M > 1 it differs from FedAvg and beats it on rotated groups (digits; MNIST, heavy);
+* with M > 1 it differs from FedAvg, and beats it on rotated MNIST (heavy; not on the small
+  digits, where 20 rounds give 0.544 against FedAvg's 0.572);
 * refusals: regression tasks, sample-level DP, secure aggregation; a killed and resumed run
   equals the uninterrupted one (pi_k is client state).
 
@@ -147,15 +148,6 @@ def test_fedem_with_components_differs_from_fedavg():
     assert float((pis - 0.5).abs().max()) > 1e-3  # pi_k moved off uniform
 
 
-@pytest.mark.heavy(budget=120)  # measured 15 s alone, 34 s on a loaded machine
-def test_fedem_beats_fedavg_on_rotated_digits():
-    fedem = run(rotated("digits", {"name": "fedem", "num_components": 3}, 20))
-    fedavg = run(rotated("digits", {"name": "fedavg"}, 20))
-    # measured 0.544 against FedAvg's 0.43 (after 10 rounds 0.36 against 0.46: the mixture
-    # starts slower; IFCA with k = 4: 0.80, tests/algorithms/test_ifca.py)
-    assert personalized(fedem) > personalized(fedavg) + 0.05
-
-
 def test_fedem_refuses_regression_private_steps_and_secure_aggregation():
     with pytest.raises(ConfigError, match="classification"):
         run(
@@ -185,7 +177,7 @@ def test_fedem_killed_and_resumed_equals_uninterrupted(tmp_path):
     killed_and_resumed(config, tmp_path, crash_round=5)
 
 
-@pytest.mark.heavy(budget=400)  # measured 91 s for FedEM on a loaded machine
+@pytest.mark.heavy(budget=400)  # measured 158 s on a loaded machine (FedEM 91 s alone)
 def test_fedem_beats_fedavg_on_rotated_mnist(data_root):
     fedem = run(rotated("mnist", {"name": "fedem", "num_components": 3}, 20))
     fedavg = run(rotated("mnist", {"name": "fedavg"}, 20))
