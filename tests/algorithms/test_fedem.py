@@ -25,6 +25,7 @@ from fedloom.data import load_dataset
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
 from fedloom.models.mixture import LOG_PI, MixtureModel, component_key
+from tests.engine.test_executor_equivalence import assert_same, config
 from tests.resume import killed_and_resumed
 
 CLIENTS = 20
@@ -184,3 +185,17 @@ def test_fedem_beats_fedavg_on_rotated_mnist(data_root):
     # measured 0.668 against FedAvg's 0.608 (M = 4: 0.646; IFCA with k = 4 0.874, local
     # training 0.867: docs/clustering.md): the mixture of 3 linear models over 4 rotations
     assert personalized(fedem) > personalized(fedavg) + 0.03
+
+
+def test_fedem_with_batch_norm_vectorized_equals_sequential():
+    """The mixture declares its components' normalization layers, so the vmap backend does not
+    pad their minibatches, and BatchNorm's buffers go through the gradient as an argument."""
+    mixture = MixtureModel(build_model("cnn_bn", (1, 8, 8), 10), 2)
+    assert "components.1.bn2.running_mean" in mixture.norm_keys()
+    runs = []
+    for kind in ("sequential", "vectorized"):
+        cfg = config("fedem", "cnn_bn", {"kind": kind}, 121)
+        cfg["train"] |= {"rounds": 2, "clients_per_round": 3}
+        cfg["eval"] = {"every": 2}
+        runs.append(run(cfg))
+    assert_same(*runs)

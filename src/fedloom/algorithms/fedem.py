@@ -168,13 +168,17 @@ class FedEMProgram(SGDProgram):
         spare = {k: b.clone() for k, b in carry["buffers"].items()}
         before = component_losses(module, start["params"], spare, batch.x, batch.y)
         q = posterior(carry["log_pi"], before).detach()
-        buffers = carry["buffers"]
 
-        def objective(params: Tree) -> torch.Tensor:
-            losses = component_losses(module, params, buffers, batch.x, batch.y)
+        def objective(
+            params: Tree, buffers: Tree, x: torch.Tensor, y: torch.Tensor
+        ) -> torch.Tensor:
+            losses = component_losses(module, params, buffers, x, y)
             return weighted_mean((q * losses).sum(dim=0), batch.w)
 
-        grads, loss = ops.value_and_grad(objective, carry["params"])
+        # the buffers go in as an argument: BatchNorm updates them in place under the transform
+        grads, loss = ops.value_and_grad(
+            objective, carry["params"], carry["buffers"], batch.x, batch.y
+        )
         return self.descend(ops, carry, grads, shared["lr"]), {"loss": loss}
 
     def finish(

@@ -25,12 +25,20 @@ class MixtureModel(FedModel):
     returns the components' logits instead, shape (M, batch, classes).
 
     The components are initialized in order by ``FunctionalModel.initial_state``: component
-    0 as ``base`` alone would be, the others by the next draws of the same stream."""
+    0 as ``base`` alone would be, the others by the next draws of the same stream. The base's
+    head and normalization layers are declared for every component (the vmap backend does
+    not pad the minibatches of a model with normalization layers)."""
 
     def __init__(self, base: FedModel, m: int) -> None:
         super().__init__()
         self.components = nn.ModuleList(copy.deepcopy(base) for _ in range(m))
         self.register_buffer(LOG_PI, torch.full((m,), -math.log(m)))
+        self.head_modules = tuple(
+            f"{COMPONENTS}.{i}.{n}" for i in range(m) for n in base.head_modules
+        )
+        self.norm_modules = tuple(
+            f"{COMPONENTS}.{i}.{n}" for i in range(m) for n in base.norm_modules
+        )
 
     def forward(self, x: torch.Tensor, components: bool = False) -> torch.Tensor:
         logits = torch.stack([component(x) for component in self.components])
