@@ -1,6 +1,6 @@
 """CFL, clustered federated learning (Sattler, Mueller, Samek, IEEE TNNLS 2021, "Clustered
 Federated Learning: Model-Agnostic Distributed Multitask Optimization Under Privacy
-Constraints", arXiv:1910.01991, Algorithms 1 and 3, criteria (28) and (29)).
+Constraints", arXiv:1910.01991, Algorithms 1-2, criteria (28) and (29)).
 
 FedAvg within each cluster of a growing partition of the clients; a cluster whose FedAvg has
 reached a stationary point while its clients still move apart is split in two by the cosine
