@@ -5,6 +5,10 @@ relabelling) and the personalized accuracy of IFCA, FedAvg and local training.
 
     python benchmarks/ifca.py --seeds 0 1 2 --rounds 20
     python benchmarks/ifca.py --dataset digits --model mlp --rounds 20   # no download
+    python benchmarks/ifca.py --clients 40 --seeds 0 1 2 3 4 5 6 7 --reseed-empty --restarts 3
+
+``--restarts``, ``--restart-rounds`` and ``--reseed-empty`` turn on IFCA's remedies for empty
+clusters (algorithms/ifca.py); ``--only-ifca`` skips FedAvg and local training.
 
 The last line of stdout is one JSON object with every number.
 """
@@ -17,7 +21,7 @@ import time
 from typing import Any
 
 import fedloom
-from fedloom.algorithms.ifca import cluster_agreement
+from fedloom.algorithms.clusters import cluster_agreement
 
 
 def config(args: argparse.Namespace, algorithm: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -56,13 +60,22 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--executor", default="auto")
+    parser.add_argument("--restarts", type=int, default=1)
+    parser.add_argument("--restart-rounds", type=int, default=3)
+    parser.add_argument("--reseed-empty", action="store_true")
+    parser.add_argument("--only-ifca", action="store_true")
     args = parser.parse_args()
     planted = [c % 4 for c in range(args.clients)]
-    contenders = {
-        "ifca": {"name": "ifca", "k": args.k},
-        "fedavg": {"name": "fedavg"},
-        "local": {"name": "local"},
+    ifca = {
+        "name": "ifca",
+        "k": args.k,
+        "restarts": args.restarts,
+        "restart_rounds": args.restart_rounds,
+        "reseed_empty": args.reseed_empty,
     }
+    contenders: dict[str, dict[str, Any]] = {"ifca": ifca}
+    if not args.only_ifca:
+        contenders |= {"fedavg": {"name": "fedavg"}, "local": {"name": "local"}}
     table: dict[str, Any] = {"args": vars(args), "runs": []}
     for seed in args.seeds:
         row: dict[str, Any] = {"seed": seed}

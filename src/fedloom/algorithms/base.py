@@ -128,10 +128,11 @@ class Algorithm:
 
     @classmethod
     def model_for(cls, module: FedModel, config: AlgorithmConfig) -> FedModel:
-        """The model a run of this algorithm trains, made from the configured one (or the one
-        handed to ``fedloom.run``) before anything else sees it (engine/build.py): ``module``
-        itself by default. FedCP and GPFL put trainable modules of their own beside its head
-        (algorithms/feature_heads.py), which are then parameters of the run like the model's
+        """The model a run of this algorithm trains, evaluates and deploys, made from the
+        configured one (or the one handed to ``fedloom.run``) before anything else sees it
+        (engine/build.py): ``module`` itself by default. FedCP and GPFL put trainable modules
+        of their own beside its head (algorithms/feature_heads.py), FedEM makes a mixture of
+        copies of it (models/mixture.py); their parameters are then the run's like the model's
         own: initialized, sent, checkpointed and stacked by every executor."""
         return module
 
