@@ -57,6 +57,7 @@ from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message,
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
 from fedloom.solvers import Carry, ClientProgram, ClientRun
+from fedloom.solvers.adamw import MOMENTS
 from fedloom.solvers.local import batch_plan
 
 
@@ -237,12 +238,16 @@ class FedFomoProgram(SGDProgram):
         ids = message["chosen"]["ids"][task.client_id]
         peers = rows(message["models"], ids)
         raw, weights = self.fomo.weigh(own, peers, task.data, task.client_id)
-        return {
-            "params": combine(state["params"], peers, weights),
+        params = combine(state["params"], peers, weights)
+        carry: Carry = {
+            "params": params,
             "buffers": clone(state["buffers"]),
             "peers": ids.clone(),
             "weights": raw,
         }
+        if self.optimizer is not None:  # train.optimizer: adamw
+            carry[MOMENTS] = self.initial_moments(params, state)
+        return carry
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
@@ -254,4 +259,5 @@ class FedFomoProgram(SGDProgram):
             "affinity": {"ids": carry["peers"], "weights": carry["weights"]},
         }
         new_state = {"params": params, "buffers": buffers}
-        return ClientResult(upload, task.data.num_train, run.metric(self.STEP), state=new_state)
+        result = ClientResult(upload, task.data.num_train, run.metric(self.STEP), state=new_state)
+        return self.keep_moments(result, state, carry.get(MOMENTS))
