@@ -75,8 +75,11 @@ def test_client_step_is_eq_9_by_hand():
     module = algorithm.ctx.model.module
     w, buffers = algorithm.ctx.model.initial_state(0)
     gen = torch.Generator().manual_seed(0)
+    # four different rows: the client must read its own (index 2)
     cloud = {
-        k: torch.stack([v + 0.1 * torch.randn(v.shape, generator=gen)] * 4) for k, v in w.items()
+        k: torch.stack([v + 0.1 * torch.randn(v.shape, generator=gen) for _ in range(4)])
+        for k, v in w.items()
+    }
     }
     x = torch.randn(12, 1, 8, 8, generator=gen)
     y = torch.randint(0, 10, (12,), generator=gen)
