@@ -80,7 +80,6 @@ def test_client_step_is_eq_9_by_hand():
         k: torch.stack([v + 0.1 * torch.randn(v.shape, generator=gen) for _ in range(4)])
         for k, v in w.items()
     }
-    }
     x = torch.randn(12, 1, 8, 8, generator=gen)
     y = torch.randint(0, 10, (12,), generator=gen)
     data = ClientData(x, y, x[:2], y[:2])
