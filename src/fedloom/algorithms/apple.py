@@ -49,7 +49,7 @@ import torch
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, StepProgram
-from fedloom.algorithms.peers import model_table, row, table_bytes, training_clients, with_uploads
+from fedloom.algorithms.peers import model_table, table_bytes, training_clients, with_uploads
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
@@ -186,14 +186,21 @@ class APPLEProgram(StepProgram):
         self.apple = algorithm
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
+        """The client's copies with this round's downloads, split into its own core (which
+        trains) and the others (fixed this round; the own row zero)."""
         assert state is not None
-        ids = self.apple.downloads(state, task.round, task.client_id)
-        cores = {k: v.clone() for k, v in state["cores"].items()}
+        i = task.client_id
+        ids = self.apple.downloads(state, task.round, i)
+        others = {k: v.clone() for k, v in state["cores"].items()}
         for k, v in message["cores"].items():
-            cores[k][ids] = v[ids]
+            others[k][ids] = v[ids]
+        core = {k: v[i].clone() for k, v in others.items()}
+        for v in others.values():
+            v[i] = 0.0
         own = torch.nn.functional.one_hot(state["index"], self.apple.m).to(state["p"].dtype)
         return {
-            "cores": cores,
+            "core": core,
+            "others": others,
             "p": state["p"].clone(),
             "p0": state["p0"],
             "own": own,
@@ -211,21 +218,19 @@ class APPLEProgram(StepProgram):
     def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
     ) -> tuple[Carry, dict]:
+        """Eq. 5-6 from one gradient g at theta^ = p_ii theta_i + sum_{j != i} p_ij theta_j."""
         (batch,) = batches
-        cores, p, own = carry["cores"], carry["p"], carry["own"]
-        mixed = personalized(cores, p)
+        core, others, p, own = carry["core"], carry["others"], carry["p"], carry["own"]
+        share = (p * own).sum()  # p_ii
+        mixed = {k: torch.tensordot(p, v, dims=1) + share * core[k] for k, v in others.items()}
         grads, loss = ops.loss_grad(self.model, mixed, carry["buffers"], batch)
         m = p.shape[0]
-        grad_p = sum(
-            cores[k].reshape(m, -1) @ g.reshape(-1).to(cores[k].dtype) for k, g in grads.items()
-        )
+        # <g, theta_j>: the others' rows, and the own core's on e_i
+        grad_p = sum(others[k].reshape(m, -1) @ g.reshape(-1) for k, g in grads.items())
+        grad_p = grad_p + own * sum((g * core[k]).sum() for k, g in grads.items())
         grad_p = grad_p + 2.0 * shared["coef"] * (p - carry["p0"])
-        share = (p * own).sum()  # p_ii
-        moved = {
-            k: v - shared["lr"] * share * own.view(-1, *([1] * (v.dim() - 1))) * grads[k]
-            for k, v in cores.items()
-        }
-        new = {**carry, "cores": moved, "p": p - shared["dr_lr"] * grad_p}
+        moved = {k: v - shared["lr"] * share * grads[k] for k, v in core.items()}
+        new = {**carry, "core": moved, "p": p - shared["dr_lr"] * grad_p}
         return new, {"loss": loss}
 
     def finish(
@@ -236,13 +241,16 @@ class APPLEProgram(StepProgram):
         ids = self.apple.downloads(state, task.round, i)
         seen = state["seen"].clone()
         seen[ids] = True
+        cores = {k: v.clone() for k, v in carry["others"].items()}
+        for k, v in carry["core"].items():
+            cores[k][i] = v
         new_state = {
-            "cores": carry["cores"],
+            "cores": cores,
             "p": carry["p"],
             "p0": state["p0"],
             "seen": seen,
             "buffers": carry["buffers"],
             "index": state["index"],
         }
-        upload = {"params": row(carry["cores"], i), "downloaded": {"ids": ids}}
+        upload = {"params": carry["core"], "downloaded": {"ids": ids}}
         return ClientResult(upload, task.data.num_train, run.metric(self.STEP), state=new_state)
