@@ -173,9 +173,6 @@ class APPLE(Algorithm):
         state = state or self.init_client_state(server, task.client_id)
         return personalized(state["cores"], state["p"]), state["buffers"]
 
-    def summary_extras(self, server: State) -> dict[str, Any]:
-        return {}
-
 
 class APPLEProgram(StepProgram):
     """The client side: the downloads into the client's copies in ``init`` (one client, in

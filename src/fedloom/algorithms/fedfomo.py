@@ -31,7 +31,9 @@ and their ids (``download_bytes``) and uploads one model and M weights. Deployme
 held-out new client starts from the mean of the clients' latest models.
 
 The combination and the weights are computed in ``init`` (one client, in Python), the local
-steps are SGD's on both backends (vmapped), so sequential and vectorized executors agree.
+steps are SGD's (or AdamW's, ``train.optimizer``) on both backends (vmapped), so sequential and
+vectorized executors agree. Sample-level DP is refused: the weights read the validation data
+in the clear.
 """
 
 from __future__ import annotations
