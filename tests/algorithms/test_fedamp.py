@@ -56,6 +56,21 @@ def test_cosine_attention_by_hand():
         assert torch.allclose(xi[i], torch.tensor(expected, dtype=torch.float64)), i
 
 
+def test_only_clients_that_uploaded_pass_messages():
+    for attention in ("exp", "cosine"):
+        cfg = FedAMPConfig(name="fedamp", alpha_k=0.2, sigma=2.0, attention=attention)
+        full = attention_matrix(torch.tensor(W), cfg)
+        xi = attention_matrix(torch.tensor(W), cfg, torch.tensor([True, False, True]))
+        assert xi[0, 1] == 0 and xi[2, 1] == 0  # client 1 never uploaded: it sends nothing
+        assert torch.allclose(xi.sum(dim=1), torch.ones(3, dtype=torch.float64))
+        if attention == "exp":  # the others' attention is unchanged, the self weight takes up
+            assert xi[0, 2] == full[0, 2] and xi[1, 0] == full[1, 0]
+        else:  # the softmax runs over the senders only
+            assert xi[0, 2] == pytest.approx(0.2) and xi[1, 0] + xi[1, 2] == pytest.approx(0.2)
+        nobody = attention_matrix(torch.tensor(W), cfg, torch.zeros(3, dtype=torch.bool))
+        assert torch.equal(nobody, torch.eye(3, dtype=torch.float64))
+
+
 def test_cloud_models_are_the_attention_weighted_sums():
     cfg = FedAMPConfig(name="fedamp", alpha_k=0.3, sigma=1.0)
     models = {"a": torch.tensor(W), "b": torch.tensor([[2.0], [3.0], [5.0]])}

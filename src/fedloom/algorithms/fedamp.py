@@ -31,7 +31,9 @@ exponential attention needs alpha_k small enough that xi_ii >= 0 (the paper's co
 alpha_k); it is not enforced.
 
 The cloud models u_i are computed for all m training clients from their latest models after
-each round's uploads (a client never sampled contributes the common initialization), and the
+each round's uploads; only clients that have uploaded pass messages (the sums over j run over
+them): a client never sampled holds the common initialization, and m - 1 such identical
+copies, each at attention alpha_k A'(0) = alpha_k / sigma, would swamp xi_ii. The
 round's message holds the table; each client reads its own row (its index is in its state),
 and ``download_bytes`` counts one model a client. Only parameters travel; buffers stay on the
 clients. Defaults are PFLlib's: alpha_k = lamda = sigma = 1. Deployment: w_i. A held-out new
@@ -90,28 +92,34 @@ class FedAMPConfig(AlgorithmConfig):
         return self
 
 
-def attention_matrix(flat: torch.Tensor, cfg: FedAMPConfig) -> torch.Tensor:
-    """xi (m x m, rows sum to 1) of the module docstring from the clients' flat models."""
+def attention_matrix(
+    flat: torch.Tensor, cfg: FedAMPConfig, senders: torch.Tensor | None = None
+) -> torch.Tensor:
+    """xi (m x m, rows sum to 1) of the module docstring from the clients' flat models; only
+    the ``senders`` (a boolean mask; None: all) pass messages to the others."""
     m = flat.shape[0]
     w = flat.double()
     eye = torch.eye(m, dtype=torch.float64, device=w.device)
-    if m == 1 or cfg.alpha_k == 0.0:
-        return eye
     off = ~eye.bool()
+    if senders is not None:
+        off = off & senders.view(1, -1)
+    if m == 1 or cfg.alpha_k == 0.0 or not bool(off.any()):
+        return eye
     if cfg.attention == "exp":
         dist = torch.stack([((w - w[i]) ** 2).sum(dim=1) for i in range(m)])
         xi = cfg.alpha_k * torch.exp(-dist / cfg.sigma) / cfg.sigma
     else:
         unit = w / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
         logits = (cfg.sigma * unit @ unit.T).masked_fill(~off, -torch.inf)
-        xi = cfg.alpha_k * torch.softmax(logits, dim=1)
+        has = off.any(dim=1, keepdim=True)  # a row without senders: no message
+        xi = cfg.alpha_k * torch.softmax(logits.masked_fill(~has, 0.0), dim=1)
     xi = xi * off
     return xi + torch.diag(1.0 - xi.sum(dim=1))
 
 
-def cloud_models(models: Tree, cfg: FedAMPConfig) -> Tree:
+def cloud_models(models: Tree, cfg: FedAMPConfig, senders: torch.Tensor | None = None) -> Tree:
     """u_i = sum_j xi_ij w_j for every client, as a table (computed in float64)."""
-    xi = attention_matrix(flat_rows(models), cfg)
+    xi = attention_matrix(flat_rows(models), cfg, senders)
     m = xi.shape[0]
     return {
         k: (xi @ v.reshape(m, -1).double()).to(v.dtype).reshape(v.shape) for k, v in models.items()
@@ -140,7 +148,8 @@ class FedAMP(Algorithm):
             "params": params,  # the common initialization
             "buffers": buffers,
             "models": models,
-            "cloud": cloud_models(models, self.config),
+            "cloud": clone(models),
+            "uploaded": torch.zeros(self.m, dtype=torch.bool),
         }
 
     def server_message(self, server: State, round: int = 0) -> Message:
@@ -152,7 +161,10 @@ class FedAMP(Algorithm):
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         models = with_uploads(server["models"], results)
-        return {**server, "models": models, "cloud": cloud_models(models, self.config)}
+        uploaded = server["uploaded"].clone()
+        uploaded[[r.client_id for r in results]] = True
+        cloud = cloud_models(models, self.config, uploaded)
+        return {**server, "models": models, "cloud": cloud, "uploaded": uploaded}
 
     # -- client ---------------------------------------------------------------------------
     def init_client_state(self, server: State, client_id: int) -> State:
