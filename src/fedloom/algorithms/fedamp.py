@@ -26,9 +26,14 @@ lamda / (2 alpha_k) ||w - u_i|| without the square, this module's is the paper's
 
 alpha_k = 0 sends no messages: xi = I, u_i = w_i, and the proximal step Eq. 9 is replaced by
 the plain local step (the proximal coefficient lamda / alpha_k is taken as 0, not as its limit,
-which would freeze every model), so FedAMP with alpha_k = 0 is local training exactly. The
-exponential attention needs alpha_k small enough that xi_ii >= 0 (the paper's condition on
-alpha_k); it is not enforced.
+which would freeze every model), so FedAMP with alpha_k = 0 is local training exactly.
+
+The exponential attention needs alpha_k small enough that xi_ii >= 0 (the paper's condition
+on alpha_k; it holds for every distance when alpha_k (m - 1) <= sigma). It is not enforced:
+with PFLlib's defaults and many similar clients xi_ii goes negative, u_i extrapolates, and
+small differences grow from round to round (executors that agree to 1e-4 under FedAvg drift
+apart by 1e-2 in three rounds of batch-10 Fashion-MNIST). summary.json's extras report the
+smallest xi_ii of the run (``min_self_weight``).
 
 The cloud models u_i are computed for all m training clients from their latest models after
 each round's uploads; only clients that have uploaded pass messages (the sums over j run over
@@ -43,7 +48,7 @@ client starts from the mean of the clients' latest models.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -117,13 +122,17 @@ def attention_matrix(
     return xi + torch.diag(1.0 - xi.sum(dim=1))
 
 
-def cloud_models(models: Tree, cfg: FedAMPConfig, senders: torch.Tensor | None = None) -> Tree:
-    """u_i = sum_j xi_ij w_j for every client, as a table (computed in float64)."""
+def cloud_models(
+    models: Tree, cfg: FedAMPConfig, senders: torch.Tensor | None = None
+) -> tuple[Tree, float]:
+    """u_i = sum_j xi_ij w_j for every client, as a table (computed in float64), and the
+    smallest self weight xi_ii (negative: alpha_k too large for the paper's condition)."""
     xi = attention_matrix(flat_rows(models), cfg, senders)
     m = xi.shape[0]
-    return {
+    cloud = {
         k: (xi @ v.reshape(m, -1).double()).to(v.dtype).reshape(v.shape) for k, v in models.items()
     }
+    return cloud, float(xi.diagonal().min())
 
 
 class FedAMP(Algorithm):
@@ -150,6 +159,7 @@ class FedAMP(Algorithm):
             "models": models,
             "cloud": clone(models),
             "uploaded": torch.zeros(self.m, dtype=torch.bool),
+            "self_weight": torch.tensor(1.0, dtype=torch.float64),
         }
 
     def server_message(self, server: State, round: int = 0) -> Message:
@@ -163,8 +173,20 @@ class FedAMP(Algorithm):
         models = with_uploads(server["models"], results)
         uploaded = server["uploaded"].clone()
         uploaded[[r.client_id for r in results]] = True
-        cloud = cloud_models(models, self.config, uploaded)
-        return {**server, "models": models, "cloud": cloud, "uploaded": uploaded}
+        cloud, least = cloud_models(models, self.config, uploaded)
+        self_weight = torch.tensor(least, dtype=torch.float64)
+        return {
+            **server,
+            "models": models,
+            "cloud": cloud,
+            "uploaded": uploaded,
+            "self_weight": torch.minimum(server["self_weight"], self_weight),
+        }
+
+    def summary_extras(self, server: State) -> dict[str, Any]:
+        """summary.json extras: the smallest self weight xi_ii of any round (below 0, the
+        message passing extrapolated: alpha_k too large for the paper's condition)."""
+        return {"min_self_weight": float(server["self_weight"])}
 
     # -- client ---------------------------------------------------------------------------
     def init_client_state(self, server: State, client_id: int) -> State:
