@@ -37,6 +37,12 @@ core models take plain SGD steps at ``train.lr`` (the authors' SGD has momentum 
 ``train.lr`` accordingly). With ``p_init: own`` and ``dr_learning_rate: 0`` p_i stays e_i and
 APPLE is local training exactly. Deployment: theta^_i from the client's copies. A held-out new
 client deploys sum_j n_j / n theta_j of the server's latest cores.
+
+Cost: every client keeps m core copies (m^2 models over the federation) and each local step
+reads all m (the mixture and <g, theta_j>). p_i's curvature scales with ||theta_j||^2, so a
+large ``dr_learning_rate`` makes its steps amplify rounding: on batch-10 Fashion-MNIST with the
+2NN at 0.05, the sequential and vectorized executors (1e-8 apart with p_i fixed) drift 1e-4
+apart in 60 local steps.
 """
 
 from __future__ import annotations
