@@ -18,12 +18,13 @@ affinity matrix P (m x m, zero at the start). One round::
     server:   theta_i <- upload;  P_i,n <- P_i,n + w_n                     # Algorithm 1
 
 L_i is the mean loss in evaluation mode. P is updated with the raw first-order weights w_n,
-negative ones included (as the authors' released code and PFLlib do), so a peer that hurts
+negative ones included (as PFLlib does), so a peer that hurts
 client i drops in its ranking. The validation split is ``val_fraction`` of the client's
 training samples (at least one, at most all but one), drawn once from the stream (seed,
 'fedfomo/val', client); the split does not change over rounds. The exploration draw of
 client i at round t comes from (seed, 'fedfomo/explore', t, i). Defaults: M = 5 (the paper's),
-val_fraction 0.2 (PFLlib's), eps = 0.3 decaying by 0.05 a round.
+val_fraction 0.2 (PFLlib's), eps = 0.3 decaying by 0.05 a round (this module's choice: the
+paper's exploration schedule could not be checked against its text here; PFLlib has none).
 
 Only parameters travel; buffers (BatchNorm statistics) stay with each client, and a peer's
 model is evaluated with the client's own buffers. What travels: client i downloads M models
