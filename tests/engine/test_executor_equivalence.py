@@ -27,6 +27,9 @@ HYPER = {
     # with sample weights one ReLU input of client 5 sits 3.7e-9 from zero in round 2, and
     # float summation order flips it (1.07e-4 apart); uniform weights keep all within 3e-8
     "fedper": {"weighting": "uniform"},
+    # a start phase of at most 4 epochs (default 20: 30 s) whose stopping rule can fire at
+    # epoch 3, so clients stop at different steps of one vmapped call
+    "fedala": {"max_init_epochs": 4, "num_pre_loss": 2, "threshold": 0.5},
 }
 
 NEEDS_NORM_LAYERS = {"fedbn"}
@@ -207,8 +210,9 @@ def test_dropout_masks_follow_each_clients_stream():
     assert_same(a, b)
 
 
-CHUNK_HYPER = {"fedrep": {"head_steps": 2}}
-"""FedRep's head phase is epochs long by default, unequal across clients of unequal sizes."""
+CHUNK_HYPER = {"fedrep": {"head_steps": 2}, "fedala": {"ala_steps": 2}}
+"""FedRep's head phase and FedALA's weight-learning epochs are epochs long by default,
+unequal across clients of unequal sizes."""
 
 
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])
