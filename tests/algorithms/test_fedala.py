@@ -133,9 +133,11 @@ def test_sample_dp_is_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy(budget=240)
 def test_fedala_beats_fedavg_on_label_shards(data_root):
-    # Measured (seed 0): personalized mean MEASURED; FedAvg's global model on the same
-    # clients 0.6215.
-    result = run_pfl({"name": "fedala"})
+    # A start phase of at most 5 epochs on a 20% sample (defaults 20 and 80%: 0.9354 in 170 s).
+    # Measured (seed 0): personalized mean 0.9411 (82 s on a loaded machine); FedAvg's global
+    # model on the same clients 0.6215.
+    result = run_pfl({"name": "fedala", "max_init_epochs": 5, "rand_percent": 20})
     accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
-    assert accuracy >= fedavg_accuracy_on_clients() + 0.2, accuracy
+    assert accuracy >= fedavg_accuracy_on_clients() + 0.25, accuracy
