@@ -210,9 +210,9 @@ def test_dropout_masks_follow_each_clients_stream():
     assert_same(a, b)
 
 
-CHUNK_HYPER = {"fedrep": {"head_steps": 2}, "fedala": {"ala_steps": 2}}
-"""FedRep's head phase and FedALA's weight-learning epochs are epochs long by default,
-unequal across clients of unequal sizes."""
+CHUNK_HYPER = {"fedrep": {"head_steps": 2}, "fedala": {"ala_steps": 2}, "fedas": {"align_steps": 2}}
+"""FedRep's head phase, FedALA's weight-learning epochs and FedAS's alignment are epochs long
+by default, unequal across clients of unequal sizes."""
 
 
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])

@@ -34,7 +34,8 @@ every parameter (body and head) and squares minibatch gradients (not per-sample 
 the weights are the traces normalized over the round's clients. The element-wise variant is
 offered as ``fisher_diagonal`` (the diagonal empirical Fisher of the body's parameters).
 
-``align_epochs: 0`` (or ``align_lr: 0``) with ``aggregation: samples`` is FedPer's training.
+``align_steps`` fixes the alignment's minibatches a round instead. ``align_epochs: 0`` (or
+``align_lr: 0``) with ``aggregation: samples`` is FedPer's training.
 A client that never trained deploys [phi, initial head]. The alignment and the local training
 are updates of one client program that both backends run (the prototypes and the Fisher
 information are computed per client, outside the steps, as FedProto's prototypes are).
@@ -77,6 +78,9 @@ class FedASConfig(AlgorithmConfig):
     )
     align_epochs: int = Field(
         default=1, ge=0, description="epochs of parameter alignment a round (code: 1)"
+    )
+    align_steps: int | None = Field(
+        default=None, ge=0, description="alignment steps a round (default: align_epochs epochs)"
     )
     aggregation: Aggregation = Field(
         default="fisher",
@@ -252,8 +256,9 @@ class FedASProgram(SGDProgram):
     def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
         cfg, ctx = self.config, self.fedas.ctx
         steps = 0
-        if cfg.align_epochs and cfg.align_lr > 0:
-            steps = cfg.align_epochs * steps_per_epoch(task.data.num_train, ctx.batch_size)
+        if cfg.align_lr > 0:
+            epoch = steps_per_epoch(task.data.num_train, ctx.batch_size)
+            steps = cfg.align_epochs * epoch if cfg.align_steps is None else cfg.align_steps
         align = ctx.make_plan(task.data, steps, ALIGN, task.round, task.client_id) if steps else []
         return {
             ALIGN: Plan(align),
