@@ -16,6 +16,7 @@ from fedloom.errors import ConfigError
 from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import digits_config, digits_ctx, run_digits
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
+from tests.resume import killed_and_resumed
 
 HIGHER = ["fc3.weight", "fc3.bias"]
 
@@ -130,6 +131,15 @@ def test_sample_dp_is_refused():
     config["privacy"] = {"kind": "sample_dp", "noise_multiplier": 1.0, "clip": 1.0}
     with pytest.raises(ConfigError, match="fedala"):
         fedloom.run(config, write=False, progress=False)
+
+
+def test_fedala_killed_and_resumed_equals_uninterrupted(tmp_path):
+    # the client states hold the old local models, W and the start-phase flag; the server the
+    # initial model
+    config = digits_config({"name": "fedala", "max_init_epochs": 3}, rounds=4, stragglers=0.3)
+    config["checkpoint"] = {"every": 2}
+    config["eval"] = {"every": 2, "new_clients": 1}
+    killed_and_resumed(config, tmp_path, crash_round=3)
 
 
 @pytest.mark.slow

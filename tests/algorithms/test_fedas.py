@@ -17,6 +17,7 @@ from fedloom.errors import ConfigError
 from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import HEAD, digits_config, digits_ctx, run_digits
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
+from tests.resume import killed_and_resumed
 
 BODY = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 
@@ -129,6 +130,15 @@ def test_differential_privacy_is_refused(kind):
     config["privacy"] = {"kind": kind, "noise_multiplier": 1.0, "clip": 1.0}
     with pytest.raises(ConfigError, match="fedas"):
         fedloom.run(config, write=False, progress=False)
+
+
+def test_fedas_killed_and_resumed_equals_uninterrupted(tmp_path):
+    # the client states hold the local models (prototypes and deployment), the server the
+    # initial model
+    config = digits_config({"name": "fedas", "align_steps": 3}, rounds=4, stragglers=0.3)
+    config["checkpoint"] = {"every": 2}
+    config["eval"] = {"every": 2, "new_clients": 1}
+    killed_and_resumed(config, tmp_path, crash_round=3)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from fedloom.errors import ConfigError
 from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import digits_config, digits_ctx, run_digits
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
+from tests.resume import killed_and_resumed
 
 
 def flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -123,6 +124,14 @@ def test_adamw_is_refused():
     config["train"]["optimizer"] = {"kind": "adamw"}
     with pytest.raises(ConfigError, match="feddbe"):
         fedloom.run(config, write=False, progress=False)
+
+
+def test_feddbe_killed_and_resumed_equals_uninterrupted(tmp_path):
+    # the server state holds the global mean fixed in round 1, the client states the PRBMs
+    config = digits_config({"name": "feddbe"}, rounds=4, stragglers=0.3)
+    config["checkpoint"] = {"every": 2}
+    config["eval"] = {"every": 2, "new_clients": 1}
+    killed_and_resumed(config, tmp_path, crash_round=3)
 
 
 @pytest.mark.slow
