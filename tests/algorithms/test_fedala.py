@@ -87,7 +87,7 @@ def test_weight_learning_and_start_phase_match_a_hand_written_loop():
     # the stop mattered: six epochs learn other weights
     longer, _, _ = hand_ala(ctx, old, glob, data, batches, 5.0, 6)
     assert (longer["fc3.weight"] - weights["fc3.weight"]).abs().max() > 1e-3
-    assert bool(result.state["started"]) and result.info["ala_steps"] == 12
+    assert bool(result.state["started"]) and result.info["ala_epochs"] == 3
 
 
 def test_plans_skip_start_phase_and_one_epoch():

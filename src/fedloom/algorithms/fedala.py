@@ -286,5 +286,8 @@ class FedALAProgram(SGDProgram):
             "started": state["started"] | torch.tensor(learned),
             "steps": state["steps"] + run.steps.get(self.STEP, 0),
         }
-        result.info = {"ala_loss": run.metric(ALA), "ala_steps": run.steps.get(ALA, 0)}
+        result.info = {
+            "ala_loss": run.metric(ALA),
+            "ala_epochs": float(carry[ALA]["epochs"]),  # W's epochs before it stopped
+        }
         return result
