@@ -1,5 +1,6 @@
 """FedAS (Yang, Huang, Ye, CVPR 2024, "FedAS: Bridging Inconsistency in Personalized Federated
-Learning", Section 3, Algorithm 1): FedPer's split (a shared body, a personal head, the model's
+Learning"; its federated parameter alignment and client synchronization, checked against the
+authors' code, xiyuanyang45/FedAS): FedPer's split (a shared body, a personal head, the model's
 one ``nn.Linear`` head) with federated parameter alignment on the client and client
 synchronization by Fisher information on the server.
 
