@@ -141,8 +141,21 @@ OBJECTIVE_PROGRAMS = ["fedgen", "fedlc", "fedntd", "fedproto"]
 mode: BatchNorm's running statistics)."""
 
 
+THROWAWAY_FORWARDS = ["fedala", "fedas", "feddbe"]
+"""Steps with a forward pass whose BatchNorm statistics are thrown away (FedALA's weight
+learning, FedAS's alignment) or a step of their own that updates them (FedDBE's)."""
+
+
 @pytest.mark.parametrize(
-    "algorithm", ["fedavg", "local", "fedsgd", *sorted(NEEDS_NORM_LAYERS), *OBJECTIVE_PROGRAMS]
+    "algorithm",
+    [
+        "fedavg",
+        "local",
+        "fedsgd",
+        *sorted(NEEDS_NORM_LAYERS),
+        *OBJECTIVE_PROGRAMS,
+        *THROWAWAY_FORWARDS,
+    ],
 )
 def test_vectorized_equals_sequential_with_batch_norm(algorithm):
     # Batch size 121 keeps every minibatch >= 21 samples here: batch statistics of 1-3 samples

@@ -72,7 +72,6 @@ from fedloom.solvers.program import (
     Plan,
     Update,
 )
-from fedloom.solvers.steps import subset_loss_grad
 
 
 class FedALAConfig(AlgorithmConfig):
@@ -245,7 +244,14 @@ class FedALAProgram(SGDProgram):
         ala, params = carry[ALA], carry["params"]
         glob = shared["message"]["params"]
         spare = {k: b.clone() for k, b in carry["buffers"].items()}  # a throwaway forward pass
-        grads, loss = subset_loss_grad(ops, self.model, params, higher, spare, batch)
+        lower = {k: v for k, v in params.items() if k not in ala["old"]}
+
+        # the buffers go in as an argument: BatchNorm's forward updates them in place, which
+        # torch.func.grad refuses for a captured tensor
+        def objective(top: Tree, b: Tree) -> torch.Tensor:
+            return self.model.weighted_loss({**lower, **top}, b, batch.x, batch.y, batch.w)
+
+        grads, loss = ops.value_and_grad(objective, {k: params[k] for k in higher}, spare)
         active = ~ala["done"]
         weights, new_params = {}, dict(params)
         for k in higher:

@@ -296,10 +296,8 @@ class FedASProgram(SGDProgram):
         protos, known = carry["protos"], carry["known"]
         spare = {k: b.clone() for k, b in carry["buffers"].items()}
 
-        def loss(body: Tree) -> torch.Tensor:
-            _, h = self.model.forward_with_features(
-                {**params, **body}, spare, batch.x, self.fedas.head
-            )
+        def loss(body: Tree, b: Tree) -> torch.Tensor:  # b: an argument, as BatchNorm writes it
+            _, h = self.model.forward_with_features({**params, **body}, b, batch.x, self.fedas.head)
             sq = ((h - protos[batch.y]) ** 2).mean(-1)
             classes = torch.arange(self.fedas.num_classes, device=batch.y.device)
             onehot = (batch.y[:, None] == classes[None, :]).to(h.dtype)
@@ -307,6 +305,6 @@ class FedASProgram(SGDProgram):
             share = batch.w / per_class[batch.y].clamp_min(1.0) * known[batch.y].to(h.dtype)
             return (share * sq).sum()
 
-        grads, value = ops.value_and_grad(loss, {k: params[k] for k in keys})
+        grads, value = ops.value_and_grad(loss, {k: params[k] for k in keys}, spare)
         moved = ops.descend(params, grads, shared["align_lr"])
         return {**carry, "params": moved}, {"loss": value}
