@@ -46,6 +46,9 @@ theta_hat is the global model and FedALA is FedAvg. The deployed (personalized) 
 client's model after its latest local training; a client that never trained deploys the
 global model.
 
+With ``train.optimizer: adamw`` the local training takes AdamW's steps (W's learning stays
+SGD's, Eq. 6); the moments can persist in the client state (``moments: client``).
+
 Refused: sample-level DP (the weight learning takes non-private gradients of the data).
 """
 

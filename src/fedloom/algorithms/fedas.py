@@ -41,6 +41,9 @@ A client that never trained deploys [phi, initial head]. The alignment and the l
 are updates of one client program that both backends run (the prototypes and the Fisher
 information are computed per client, outside the steps, as FedProto's prototypes are).
 
+With ``train.optimizer: adamw`` the local training takes AdamW's steps (the alignment stays
+SGD's).
+
 Refused: sample-level DP (the alignment and the Fisher information take non-private
 gradients), client-level DP and asynchrony (the server step is not FedAvg's average).
 """
