@@ -145,7 +145,7 @@ def test_fedas_killed_and_resumed_equals_uninterrupted(tmp_path):
 @pytest.mark.heavy(budget=300)
 def test_fedas_beats_fedavg_on_label_shards(data_root):
     # 8 of the setup's 20 rounds, 10 alignment steps a round (default one epoch, ~94 steps).
-    # Measured (seed 0): personalized mean 0.9214 (127 s on a loaded machine; 20 rounds with the
+    # Measured (seed 0): personalized mean 0.9214 (18 s quiet, 127 s loaded; 20 rounds with the
     # defaults: 0.9443, 261 s); FedAvg's global model on the same clients, 20 rounds, 0.6215.
     result = run_pfl({"name": "fedas", "align_steps": 10}, rounds=8)
     accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
