@@ -35,6 +35,9 @@ HYPER = {
     # the collaborators' mean and w_bar; tau 1 keeps every parameter that moved (exact on both)
     # and compares the overlaps, the collaboration and the personalized models
     "fedcac": {"tau": 1.0},
+    # a start phase of at most 4 epochs on a 40% sample (defaults 20 and 80%: 30 s) whose
+    # stopping rule fires at epoch 3 for some clients of a vmapped call and not for others
+    "fedala": {"max_init_epochs": 4, "num_pre_loss": 2, "threshold": 5e-4, "rand_percent": 40},
 }
 
 NEEDS_NORM_LAYERS = {"fedbn"}
@@ -146,8 +149,21 @@ OBJECTIVE_PROGRAMS = ["fedgen", "fedlc", "fedntd", "fedproto", "fedrod", "moon"]
 and previous models run in evaluation mode: BatchNorm's running statistics)."""
 
 
+THROWAWAY_FORWARDS = ["fedala", "fedas", "feddbe"]
+"""Steps with a forward pass whose BatchNorm statistics are thrown away (FedALA's weight
+learning, FedAS's alignment) or a step of their own that updates them (FedDBE's)."""
+
+
 @pytest.mark.parametrize(
-    "algorithm", ["fedavg", "local", "fedsgd", *sorted(NEEDS_NORM_LAYERS), *OBJECTIVE_PROGRAMS]
+    "algorithm",
+    [
+        "fedavg",
+        "local",
+        "fedsgd",
+        *sorted(NEEDS_NORM_LAYERS),
+        *OBJECTIVE_PROGRAMS,
+        *THROWAWAY_FORWARDS,
+    ],
 )
 def test_vectorized_equals_sequential_with_batch_norm(algorithm):
     # Batch size 121 keeps every minibatch >= 21 samples here: batch statistics of 1-3 samples
@@ -215,9 +231,14 @@ def test_dropout_masks_follow_each_clients_stream():
     assert_same(a, b)
 
 
-CHUNK_HYPER = {"fedrep": {"head_steps": 2}, "fedpac": {"head_steps": 2}}
-"""FedRep's and FedPAC's head phases are epochs long by default, unequal across clients of
-unequal sizes."""
+CHUNK_HYPER = {
+    "fedrep": {"head_steps": 2},
+    "fedpac": {"head_steps": 2},
+    "fedala": {"ala_steps": 2},
+    "fedas": {"align_steps": 2},
+}
+"""FedRep's and FedPAC's head phases, FedALA's weight-learning epochs and FedAS's alignment
+are epochs long by default, unequal across clients of unequal sizes."""
 
 
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])

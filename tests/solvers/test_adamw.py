@@ -161,7 +161,12 @@ def run_config(algorithm: str, executor: dict, **optimizer) -> dict:
     return cfg
 
 
-HYPER = {"fedprox": {"mu": 0.1}, "scaffold": {"option": "I"}, "fedntd": {"beta": 1.0}}
+HYPER = {
+    "fedprox": {"mu": 0.1},
+    "scaffold": {"option": "I"},
+    "fedntd": {"beta": 1.0},
+    "fedala": {"max_init_epochs": 4, "rand_percent": 40},
+}
 
 HEAVY = pytest.mark.heavy(budget=40)
 
@@ -171,6 +176,8 @@ CASES = [
     ("scaffold", "client"),  # kept beside a client state the correction reads
     pytest.param("fedprox", "round", marks=HEAVY),  # a gradient correction
     pytest.param("fedntd", "round", marks=HEAVY),  # an objective program (vmapped)
+    pytest.param("fedala", "client", marks=HEAVY),  # after a weight-learning phase of its own
+    pytest.param("fedas", "round", marks=HEAVY),  # after an alignment phase of its own
 ]
 
 
