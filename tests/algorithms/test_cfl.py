@@ -31,38 +31,14 @@ from fedloom.algorithms.clusters import cluster_agreement
 from fedloom.core.protocol import ClientResult
 from fedloom.core.pytree import flatten64
 from fedloom.errors import ConfigError
+from tests.algorithms.rotated_setup import CLIENTS, PLANTED, personalized, rotated
 from tests.algorithms.server_state_setup import make_algorithm
 from tests.resume import killed_and_resumed
 
-CLIENTS = 20
-PLANTED = [c % 4 for c in range(CLIENTS)]
 SPLITTING = {"name": "cfl", "eps1": 0.3, "eps2": 0.45, "warmup_rounds": 5}
 """Thresholds between the norms measured on rotated digits and MNIST (logreg, 10 steps of lr
 0.1): one cluster's mean update 0.17-0.27 after 5-10 rounds, its largest client update
 0.53-0.75; within a recovered group the largest is below 0.45."""
-
-
-def rotated(name: str, algorithm: dict, rounds: int, **train) -> dict:
-    return {
-        "seed": 0,
-        "data": {"name": name, "num_clients": CLIENTS, "partition": {"kind": "rotation"}},
-        "model": {"name": "logreg"},
-        "algorithm": algorithm,
-        "train": {
-            "rounds": rounds,
-            "clients_per_round": None,
-            "local_steps": 10,
-            "batch_size": 32,
-            "lr": 0.1,
-            **train,
-        },
-        "eval": {"every": rounds},
-        "monitor": {"enabled": False},
-    }
-
-
-def personalized(result: fedloom.RunResult) -> float:
-    return float(result.summary["final"]["personalized"]["accuracy_mean"])
 
 
 def run(config: dict) -> fedloom.RunResult:

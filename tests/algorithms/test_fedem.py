@@ -25,38 +25,24 @@ from fedloom.data import load_dataset
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
 from fedloom.models.mixture import LOG_PI, MixtureModel, component_key
+from tests.algorithms import rotated_setup
+from tests.algorithms.rotated_setup import personalized
 from tests.engine.test_executor_equivalence import assert_same, config
 from tests.resume import killed_and_resumed
 
-CLIENTS = 20
+CLIENTS = rotated_setup.CLIENTS
 
 
 def rotated(name: str, algorithm: dict, rounds: int, **train) -> dict:
+    """The shared rotated setup on the sequential executor (the reductions compare bit for bit)."""
     return {
-        "seed": 0,
-        "data": {"name": name, "num_clients": CLIENTS, "partition": {"kind": "rotation"}},
-        "model": {"name": "logreg"},
-        "algorithm": algorithm,
-        "train": {
-            "rounds": rounds,
-            "clients_per_round": None,
-            "local_steps": 10,
-            "batch_size": 32,
-            "lr": 0.1,
-            **train,
-        },
-        "eval": {"every": rounds},
-        "monitor": {"enabled": False},
+        **rotated_setup.rotated(name, algorithm, rounds, **train),
         "executor": {"kind": "sequential"},
     }
 
 
 def run(config: dict) -> fedloom.RunResult:
     return fedloom.run(config, write=False, progress=False)
-
-
-def personalized(result: fedloom.RunResult) -> float:
-    return float(result.summary["final"]["personalized"]["accuracy_mean"])
 
 
 def test_fedem_with_one_component_is_fedavg():

@@ -27,34 +27,9 @@ from fedloom.core.rng import seed_for
 from fedloom.errors import ConfigError
 from fedloom.models import build_model
 from tests.algorithms.oracle import as_vector, optimum_vector, quadratic_data, run
+from tests.algorithms.rotated_setup import PLANTED, personalized, rotated
 from tests.algorithms.server_state_setup import make_algorithm
 from tests.resume import killed_and_resumed
-
-CLIENTS = 20
-PLANTED = [c % 4 for c in range(CLIENTS)]  # rotation: client c turned by angles[c % 4]
-
-
-def rotated(name: str, algorithm: dict, rounds: int, **train) -> dict:
-    return {
-        "seed": 0,
-        "data": {"name": name, "num_clients": CLIENTS, "partition": {"kind": "rotation"}},
-        "model": {"name": "logreg"},
-        "algorithm": algorithm,
-        "train": {
-            "rounds": rounds,
-            "clients_per_round": None,
-            "local_steps": 10,
-            "batch_size": 32,
-            "lr": 0.1,
-            **train,
-        },
-        "eval": {"every": rounds},
-        "monitor": {"enabled": False},
-    }
-
-
-def personalized(result: fedloom.RunResult) -> float:
-    return float(result.summary["final"]["personalized"]["accuracy_mean"])
 
 
 def test_cluster_agreement_is_invariant_to_relabelling():
