@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +195,13 @@ def test_every_algorithms_checkpoint_round_trips(tmp_path, name):
     module = build_model(config.model.name, data.input_shape, data.num_outputs)
     run_dir = VerifyingRunDir.create(tmp_path / "run")
     run_dir.write_config(config.to_yaml())
-    Engine(config, data, module, run_dir=run_dir).run()
+    engine = Engine(config, data, module, run_dir=run_dir)
+    engine.run()
     assert run_dir.saved == 2
+    # a real checkpoint fits the run that wrote it (engine/checkpoint_fit.py: no false alarm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        assert run_dir.latest_checkpoint(engine.checkpoint_fit())["round"] == 2
     assert [p.name for p in sorted(run_dir.checkpoint_dir.iterdir())] == [
         "round_000002.json",
         "round_000002.safetensors",

@@ -79,7 +79,7 @@ def load_finished_run(
     # the models do not depend on where clients ran: read them back in this process
     cfg.executor = ExecutorConfig(kind="sequential")
     engine = Engine(cfg, data, module)
-    saved = run.latest_checkpoint()
+    saved = run.latest_checkpoint(engine.checkpoint_fit())
     if saved is None:
         raise RunDirError(
             f"{run.path} has no checkpoint to read the trained models from; run with "

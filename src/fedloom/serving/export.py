@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fedloom.core.files import inside, one_line, read_json_object, read_yaml_mapping, strict_json
+from fedloom.core.run_files import Card, ServingMeta, Summary, check_typed, read_typed
 from fedloom.engine.serving import FILES, META_FILE, SERVING_DIR
 from fedloom.errors import RunDirError
 from fedloom.models import build_model
@@ -67,6 +68,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
             f"{path}: files names unknown copies {unknown or meta['files']!r}; "
             f"the copies are {', '.join(WHAT)}"
         )
+    check_typed(meta, ServingMeta, path)
     return meta
 
 
@@ -168,7 +170,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     target = _export_target(run_dir, out)
     meta = _read_meta(source / META_FILE)
     summary_path = run_dir / "summary.json"
-    summary = read_json_object(summary_path) if summary_path.is_file() else {}
+    summary = read_typed(summary_path, Summary) if summary_path.is_file() else {}
     config = read_yaml_mapping(run_dir / "config.yaml")
     serving = _serving_facts(summary, meta)
     final = summary.get("final") or {}
@@ -209,7 +211,7 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
     """The exported ``copy`` (global | ema | best | clients | clients_best) as a torch module
     in evaluation mode; ``client`` picks a client's file of the per-client copies."""
     folder = Path(folder)
-    card = read_json_object(folder / CARD_FILE)
+    card = read_typed(folder / CARD_FILE, Card)
     if copy not in card.get("copies", {}):
         raise RunDirError(f"{folder} has no '{copy}' copy; it has {', '.join(card['copies'])}")
     entry = card["copies"][copy]
