@@ -14,6 +14,7 @@ from torch import nn
 
 from fedloom.config import RunConfig, load_yaml, parse_config
 from fedloom.core.files import read_json_object
+from fedloom.core.run_files import Summary, read_typed
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
 from fedloom.data import FederatedData, load_dataset
@@ -56,7 +57,7 @@ class FinishedRun:
     @property
     def summary(self) -> dict[str, Any]:
         path = self.path / "summary.json"
-        return read_json_object(path) if path.is_file() else {}
+        return read_typed(path, Summary) if path.is_file() else {}
 
 
 def load_finished_run(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedloom.core.files import read_json_object
 from fedloom.core.settings import StrictModel
@@ -97,13 +97,21 @@ class Summary(_Open):
 
 # -- serving/serving.json ---------------------------------------------------------------------
 class ServingFiles(StrictModel):
-    """``files``: the kept copies, each a file name inside RUN/serving."""
+    """``files``: the kept copies, each a file name inside RUN/serving (a copy not kept is
+    absent, never null)."""
 
     global_: Name | None = Field(None, alias="global")
     ema: Name | None = None
     best: Name | None = None
     clients: Name | None = None
     clients_best: Name | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is None:
+            raise ValueError("a file name, not null")
+        return value
 
 
 class ServingMeta(StrictModel):
@@ -136,6 +144,12 @@ class CardCopy(_Open):
     what: str
     file: Name | None = None
     files: dict[str, Name] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> CardCopy:
+        if (self.file is None) == (self.files is None):
+            raise ValueError("a copy has either file or files")
+        return self
 
 
 class Card(StrictModel):

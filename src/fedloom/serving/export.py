@@ -92,7 +92,9 @@ def _split_clients(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torc
     """``CLIENT/NAME`` keys (engine/serving.py) back into one state dict per client."""
     out: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        cid, name = key.split("/", 1)
+        cid, _, name = key.partition("/")
+        if not (cid.isdigit() and name):
+            raise RunDirError(f"a per-client copy holds tensor {key!r}, not CLIENT/NAME")
         out.setdefault(int(cid), {})[name] = value
     return out
 
@@ -174,11 +176,15 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     config = read_yaml_mapping(run_dir / "config.yaml")
     serving = _serving_facts(summary, meta)
     final = summary.get("final") or {}
+    # every copy is read before any is written: a damaged one leaves no partial export. The
+    # file names serving.json gives are read inside RUN/serving only; what is written is
+    # named here (FILES, clients/...), never after them
+    loaded = {
+        name: _load(inside(source, filename, f"{META_FILE} files.{name}"))
+        for name, filename in meta["files"].items()
+    }
     copies: dict[str, Any] = {}
-    for name, filename in meta["files"].items():
-        # the file names serving.json gives are read inside RUN/serving only; what is written
-        # is named here (FILES, clients/...), never after them
-        tensors = _load(inside(source, filename, f"{META_FILE} files.{name}"))
+    for name, tensors in loaded.items():
         entry = _export_copy(name, tensors, target, meta["model"])
         entry.update(_metrics(name, final, serving))
         copies[name] = entry
@@ -228,7 +234,12 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
     module = build_model(
         card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"], options
     )
-    module.load_state_dict(_load(path))
+    try:
+        module.load_state_dict(_load(path))
+    except RuntimeError as err:  # another shape than card.json's model has
+        raise RunDirError(
+            f"{path} does not fit the model {CARD_FILE} describes ({one_line(err)[:300]})"
+        ) from None
     return module.eval()
 
 
