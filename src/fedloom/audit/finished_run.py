@@ -14,9 +14,9 @@ from torch import nn
 
 from fedloom.config import RunConfig, load_yaml, parse_config
 from fedloom.core.files import read_json_object
-from fedloom.core.run_files import Summary, read_typed
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
+from fedloom.core.run_files import Summary, read_typed
 from fedloom.data import FederatedData, load_dataset
 from fedloom.engine.loop import Engine
 from fedloom.engine.rundir import RunDir, refuse_if_written
