@@ -56,14 +56,20 @@ def dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
-def json_type_damages(run_dir: Path, rel: str, rehash: bool = False) -> list[Damage]:
-    """A wrong value at each key of ``rel`` (a JSON file), cycling through ``WRONG`` so that
-    each key gets a few kinds; ``rehash``: recompute a checkpoint manifest's own SHA-256."""
+def json_type_damages(
+    run_dir: Path,
+    rel: str,
+    rehash: bool = False,
+    keep: Callable[[tuple[Any, ...]], bool] = bool,
+) -> list[Damage]:
+    """A wrong value at each key of ``rel`` (a JSON file) whose path passes ``keep``, cycling
+    through ``WRONG`` so that each key gets a few kinds; ``rehash``: recompute a checkpoint
+    manifest's own SHA-256."""
     tree = json.loads((run_dir / rel).read_text())
     out = []
     for i, path in enumerate(key_paths(tree)):
-        if rehash and path[0] in ("sha256", "config"):
-            continue  # the checksum itself; config: compared with config.yaml (drift)
+        if not keep(path) or (rehash and path[0] == "sha256"):
+            continue  # (the checksum itself: a wrong one is a checksum mismatch)
         for value in (WRONG[i % len(WRONG)], WRONG[(i + 3) % len(WRONG)]):
             out.append(
                 Damage(
@@ -155,20 +161,26 @@ CHANGES: dict[str, TensorChange] = {
 FLOAT_ONLY = {"a NaN", "an inf"}
 
 
-def tensor_damages(run_dir: Path, manifest_rel: str) -> list[Damage]:
-    """Each change of ``CHANGES`` to each tensor of the checkpoint ``manifest_rel``, the tensor
-    file's and the manifest's checksums recomputed (its record of the tensors kept)."""
+def tensor_damages(
+    run_dir: Path, manifest_rel: str, forge: bool = False, only: Callable[[str], bool] = bool
+) -> list[Damage]:
+    """Each change of ``CHANGES`` to each tensor (whose key passes ``only``) of the checkpoint
+    ``manifest_rel``, the tensor file's and the manifest's checksums recomputed; ``forge``:
+    the manifest's record of each tensor's dtype and shape rewritten too, so that only what the
+    run expects can tell."""
     manifest = run_dir / manifest_rel
     tensors = load_file(manifest.with_suffix(".safetensors"))
     out = []
     for key, value in sorted(tensors.items()):
+        if not only(key):
+            continue
         for what, change in CHANGES.items():
             if what in FLOAT_ONLY and not value.dtype.is_floating_point:
                 continue
             out.append(
                 Damage(
-                    f"{manifest_rel}:{key}: {what}",
-                    _tensor_changer(manifest_rel, key, change),
+                    f"{manifest_rel}:{key}: {what}{' (record forged)' if forge else ''}",
+                    _tensor_changer(manifest_rel, key, change, forge),
                     manifest_rel,
                     key,
                 )
@@ -176,23 +188,31 @@ def tensor_damages(run_dir: Path, manifest_rel: str) -> list[Damage]:
     return out
 
 
-def _tensor_changer(manifest_rel: str, key: str, change: TensorChange) -> Callable[[Path], None]:
+def _tensor_changer(
+    manifest_rel: str, key: str, change: TensorChange, forge: bool
+) -> Callable[[Path], None]:
     def apply(run_dir: Path) -> None:
         manifest = run_dir / manifest_rel
         tensor_file = manifest.with_suffix(".safetensors")
         tensors = load_file(tensor_file)
         tensors[key] = change(tensors[key]).contiguous()
         save_file(tensors, tensor_file)
-        rehash_tensor_file(manifest)
+        rehash_tensor_file(manifest, tensors if forge else None)
 
     return apply
 
 
-def rehash_tensor_file(manifest: Path) -> None:
-    """Record the tensor file's new SHA-256 and size in ``manifest``, and its own checksum."""
+def rehash_tensor_file(manifest: Path, layout_of: dict[str, torch.Tensor] | None = None) -> None:
+    """Record the tensor file's new SHA-256 and size in ``manifest``, and its own checksum;
+    with ``layout_of``, also those tensors' dtypes and shapes as the manifest's record."""
     tree = json.loads(manifest.read_text())
     data = manifest.with_suffix(".safetensors").read_bytes()
     tree["tensors"]["sha256"] = hashlib.sha256(data).hexdigest()
     tree["tensors"]["bytes"] = len(data)
+    if layout_of is not None:
+        tree["tensors"]["layout"] = {
+            k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+            for k, v in layout_of.items()
+        }
     tree["sha256"] = manifest_sha256(tree)
     manifest.write_text(json.dumps(tree))
