@@ -263,7 +263,7 @@ def test_wrong_types_in_the_newest_manifest(pristine, tmp_path):
 
 @pytest.mark.heavy(budget=1200)
 def test_wrong_types_at_every_key_of_the_newest_manifest(pristine, tmp_path):
-    damages = share(_manifest(pristine), 2)  # 1,738 cases: every other (each key's two kinds)
+    damages = share(_manifest(pristine), 2)  # of 1,738 cases, each key once
     run_cases(pristine, tmp_path, damages, [RESUME]).check()
     run_cases(pristine, tmp_path, share(damages, 8), [AUDIT]).check()
 

@@ -64,11 +64,16 @@ class ServedFacts(_Open):
 
 
 # -- summary.json -----------------------------------------------------------------------------
+FinalMetrics = dict[str, float | dict[str, Any] | list[Any] | None]
+"""A section of ``final``: numbers (a run family may nest its own, RL's returns); never a
+string or a bool."""
+
+
 class Final(_Open):
     """``final``: the last evaluation (the report's, the comparison's and the card's numbers)."""
 
-    global_: Metrics | None = Field(None, alias="global")
-    personalized: Metrics | None = None
+    global_: FinalMetrics | None = Field(None, alias="global")
+    personalized: FinalMetrics | None = None
     client_accuracy: Metrics | None = None
 
 
