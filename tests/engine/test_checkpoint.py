@@ -408,7 +408,7 @@ def _fit_payload(weight: torch.Tensor, table: torch.Tensor | None = None) -> dic
 
     store = ClientStateStore(3)
     if table is not None:
-        store.tables["personal/fc.weight"] = table
+        store.tables["personal/params/fc.weight"] = table
     return RunState(server={"params": {"fc.weight": weight}, "step": 0}, clients=store).checkpoint()
 
 
@@ -434,13 +434,13 @@ def _fit_check(payload: dict[str, Any]) -> None:
         (
             _fit_payload(torch.zeros(2, 3), torch.zeros(3, 2, 4)),
             [
-                "clients/tables/personal~1fc.weight is float32 [3, 2, 4]",
+                "clients/tables/personal~1params~1fc.weight is float32 [3, 2, 4]",
                 "expects float32 [3, 2, 3]",
             ],
         ),
         (
             _fit_payload(torch.zeros(2, 3), torch.zeros(2, 2, 3)),
-            ["tables/personal~1fc.weight", "3 rows"],
+            ["tables/personal~1params~1fc.weight", "3 rows"],
         ),
         (
             _fit_payload(torch.tensor([[0.0, float("nan"), 1], [0, 0, float("inf")]])),
@@ -495,3 +495,10 @@ def test_a_manifest_without_a_record_of_its_tensors_still_reads(tmp_path):
     manifest["sha256"] = _manifest_sha256(manifest)
     path.write_text(json.dumps(manifest))
     assert torch.equal(read_checkpoint(path)["w"], torch.arange(3.0))
+
+
+def test_a_flat_copy_keyed_by_a_weight_name_outside_the_weights_places_is_not_checked():
+    """A compressor's residual (mechanisms/compression/...) is keyed by weight name but flat."""
+    payload = _fit_payload(torch.zeros(2, 3))
+    payload["mechanisms"] = {"compression": {"residual": {0: {"fc.weight": torch.zeros(6)}}}}
+    _fit_check(payload)

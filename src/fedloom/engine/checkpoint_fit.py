@@ -7,9 +7,9 @@ the run reading it when
 - every tensor at a place the run's fresh state also has one (the server's parameters and
   optimizer state) has that tensor's dtype and shape, and every value there its kind (a
   number, a string, a mapping);
-- every tensor named after a model weight (``.../linear.weight``: the server's, a client's
-  personal model, the served copies) has the model's dtype and shape; a client table's rows
-  end in that shape;
+- every tensor holding a model weight by name (``.../params/linear.weight``: the server's, a
+  client's personal model; the served copies) has the model's dtype and shape; a client
+  table's rows end in that shape;
 - every client table has one row per client slot;
 - no floating-point tensor holds NaN or infinity.
 
@@ -91,6 +91,24 @@ def unescape(part: str) -> str:
     return part.replace("~1", "/").replace("~0", "~")
 
 
+WEIGHT_PARENTS = ("params", "buffers")
+"""The tree keys under which a state keeps a model's weights by name (``server/params/...``,
+a client table ``personal/params/...``)."""
+SERVED = "serving/"
+"""The served copies (engine/serving.py): model state dicts by weight name."""
+
+
+def weight_name(key: str) -> str | None:
+    """The model weight a checkpoint tensor key holds a copy of (``linear.weight`` for
+    ``server/inner/params/linear.weight``, ``clients/tables/personal~1params~1linear.weight``
+    and ``serving/ema/linear.weight``), or None: only these places hold weights as the model
+    shapes them (a compressor's residual, keyed by weight name too, is flat)."""
+    parts = "/".join(unescape(p) for p in key.split("/")).split("/")
+    if key.startswith(SERVED) or (len(parts) > 1 and parts[-2] in WEIGHT_PARENTS):
+        return parts[-1]
+    return None
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, bool):
         return "a bool"
@@ -129,15 +147,14 @@ def run_fit(weights: dict[str, torch.Tensor], fresh: dict[str, Any], slots: int)
         if key in fresh_tensors:
             t = fresh_tensors[key]
             return t.dtype, tuple(t.shape)
+        w = weights.get(weight_name(key) or "")
+        if w is None:
+            return None
         if key.startswith(TABLES):
-            w = weights.get(unescape(key.removeprefix(TABLES)).rsplit("/", 1)[-1])
-            if w is None:
-                return None
             # rows of the weight's shape, or of several of them (a stack per client)
             middle = tuple(tensor.shape[1 : max(1, tensor.ndim - w.ndim)])
             return w.dtype, (slots, *middle, *w.shape)
-        w = weights.get(unescape(key.rsplit("/", 1)[-1]))
-        return (w.dtype, tuple(w.shape)) if w is not None else None
+        return w.dtype, tuple(w.shape)
 
     def check(payload: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         problem = type_problem(payload, RunPayload)
