@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import torch
-from pydantic import ConfigDict, Field, InstanceOf
+from pydantic import ConfigDict, Field, InstanceOf, field_validator
 
 from fedloom.core.run_files import type_problem
 from fedloom.core.settings import StrictModel
@@ -66,6 +66,13 @@ class _Serving(_Payload):
     clients_best: dict[int, Tree] | None = None
     clients_best_value: dict[int, float] | None = None
     clients_best_round: dict[int, Count] | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is None:  # a copy not kept is absent, never null
+            raise ValueError("absent or a value, not null")
+        return value
 
 
 class RunPayload(_Payload):
@@ -125,16 +132,19 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def same_kinds(expected: Any, saved: Any, path: str) -> None:
+def same_kinds(expected: Any, saved: Any, path: str, whole: bool = False) -> None:
     """``saved`` has ``expected``'s kind at every key both have (None expects anything: a
-    slot filled later)."""
+    slot filled later); with ``whole``, every key of ``expected`` too."""
     if expected is None:
         return
     if _kind(expected) != _kind(saved):
         raise CheckpointMismatch(f"{path} is {_kind(saved)}, the run expects {_kind(expected)}")
     if isinstance(expected, dict):
+        missing = [k for k in expected if k not in saved] if whole else []
+        if missing:
+            raise CheckpointMismatch(f"{path} has no {missing[0]!r}, which the run's state has")
         for key in expected.keys() & saved.keys():
-            same_kinds(expected[key], saved[key], f"{path}/{key}")
+            same_kinds(expected[key], saved[key], f"{path}/{key}", whole)
 
 
 def run_fit(weights: dict[str, torch.Tensor], fresh: dict[str, Any], slots: int) -> Check:
@@ -160,7 +170,8 @@ def run_fit(weights: dict[str, torch.Tensor], fresh: dict[str, Any], slots: int)
         problem = type_problem(payload, RunPayload)
         if problem is not None:
             raise CheckpointMismatch(f"its payload's {problem}")
-        for part in ("server", "asynchrony", "mechanisms"):
+        same_kinds(fresh.get("server"), payload["server"], "server", whole=True)
+        for part in ("asynchrony", "mechanisms"):
             same_kinds(fresh.get(part), payload[part], part)
         for key, tensor in tensors.items():
             if key.startswith(TABLES) and (tensor.ndim == 0 or tensor.shape[0] != slots):
