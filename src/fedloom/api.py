@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +86,14 @@ def run_kind(config: Any) -> str:
     return "rl" if is_rl_config(raw) else "vertical" if is_vertical_config(raw) else "horizontal"
 
 
+def _check_path(name: str, value: object) -> None:
+    """ConfigError unless ``value`` (``out``, ``resume``) is None or a path."""
+    if value is not None and not isinstance(value, str | os.PathLike):
+        raise ConfigError(
+            f"{name}: expected a directory path (str or pathlib.Path), got {type(value).__name__}"
+        )
+
+
 def _check_types(data: object, model: object) -> None:
     """ConfigError when ``data`` or ``model`` is not what a horizontal run takes (a model's
     name is a config key, a list of arrays goes through ``from_arrays``)."""
@@ -141,6 +150,8 @@ def run(
     sends clients' work to nodes). ``callbacks`` run around the round loop
     (engine/callbacks.py; ``fedloom tune``'s reporter).
     """
+    _check_path("out", out)
+    _check_path("resume", resume)
     # a run directory to resume is checked (no symbolic link in it) before its config is read
     saved = RunDir.open_existing(resume).config_path if resume is not None else None
     kind = run_kind(config if saved is None else saved)

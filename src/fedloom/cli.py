@@ -248,7 +248,7 @@ def audit(
 @app.command()
 def summary(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
     """Print RUN_DIR/summary.json."""
-    from fedloom.core.files import read_json_object
+    from fedloom.core.run_files import Summary, read_typed
     from fedloom.core.runpaths import refuse_links, under
     from fedloom.errors import RunDirError
 
@@ -258,7 +258,7 @@ def summary(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) ->
         path = under(run_dir, "summary.json")
         if not path.is_file():
             raise RunDirError(f"{path} not found")
-        typer.echo(json.dumps(read_json_object(path), indent=2))
+        typer.echo(json.dumps(read_typed(path, Summary), indent=2))
     except RunDirError as err:
         _fail(err, False)
 

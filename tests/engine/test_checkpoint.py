@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +195,13 @@ def test_every_algorithms_checkpoint_round_trips(tmp_path, name):
     module = build_model(config.model.name, data.input_shape, data.num_outputs)
     run_dir = VerifyingRunDir.create(tmp_path / "run")
     run_dir.write_config(config.to_yaml())
-    Engine(config, data, module, run_dir=run_dir).run()
+    engine = Engine(config, data, module, run_dir=run_dir)
+    engine.run()
     assert run_dir.saved == 2
+    # a real checkpoint fits the run that wrote it (engine/checkpoint_fit.py: no false alarm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        assert run_dir.latest_checkpoint(engine.checkpoint_fit())["round"] == 2
     assert [p.name for p in sorted(run_dir.checkpoint_dir.iterdir())] == [
         "round_000002.json",
         "round_000002.safetensors",
@@ -392,3 +398,107 @@ def test_keep_prunes_old_checkpoints_and_a_resave_drops_stale_later_ones(tmp_pat
     run.save_checkpoint(6, {"round": 6}, keep=3)
     assert [p.name for p in run.checkpoints()] == ["round_000004.json", "round_000006.json"]
     assert run.latest_checkpoint() == {"round": 6}
+
+
+# -- what the run expects (engine/checkpoint_fit.py) ---------------------------------------------
+def _fit_payload(weight: torch.Tensor, table: torch.Tensor | None = None) -> dict[str, Any]:
+    """A RunState checkpoint with the server weight ``weight`` and, when given, a client table
+    of personal weights ``table``."""
+    from fedloom.engine.state import RunState
+
+    store = ClientStateStore(3)
+    if table is not None:
+        store.tables["personal/params/fc.weight"] = table
+    return RunState(server={"params": {"fc.weight": weight}, "step": 0}, clients=store).checkpoint()
+
+
+def _fit_check(payload: dict[str, Any]) -> None:
+    from fedloom.engine.checkpoint_fit import run_fit
+
+    weight = torch.zeros(2, 3)
+    check = run_fit({"fc.weight": weight}, _fit_payload(weight), slots=3)
+    check(payload, encode(payload)[1])
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (
+            _fit_payload(torch.zeros(2, 3, dtype=torch.int32)),
+            ["server/params/fc.weight is int32 [2, 3]", "expects float32 [2, 3]"],
+        ),
+        (
+            _fit_payload(torch.zeros(3, 2)),
+            ["server/params/fc.weight is float32 [3, 2]", "expects float32 [2, 3]"],
+        ),
+        (
+            _fit_payload(torch.zeros(2, 3), torch.zeros(3, 2, 4)),
+            [
+                "clients/tables/personal~1params~1fc.weight is float32 [3, 2, 4]",
+                "expects float32 [3, 2, 3]",
+            ],
+        ),
+        (
+            _fit_payload(torch.zeros(2, 3), torch.zeros(2, 2, 3)),
+            ["tables/personal~1params~1fc.weight", "3 rows"],
+        ),
+        (
+            _fit_payload(torch.tensor([[0.0, float("nan"), 1], [0, 0, float("inf")]])),
+            ["server/params/fc.weight holds 2 NaN or infinite"],
+        ),
+        (
+            {**_fit_payload(torch.zeros(2, 3)), "round": "3"},
+            ["round: Input should be a valid integer"],
+        ),
+        (
+            {
+                **_fit_payload(torch.zeros(2, 3)),
+                "server": {"params": {"fc.weight": torch.zeros(2, 3)}, "step": "0"},
+            },
+            ["server/step is a string, the run expects a number"],
+        ),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_the_run_names_the_tensor(payload, words):
+    from fedloom.engine.checkpoint import CheckpointMismatch
+
+    with pytest.raises(CheckpointMismatch) as err:
+        _fit_check(payload)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_a_fitting_checkpoint_passes_the_run_check():
+    _fit_check(_fit_payload(torch.ones(2, 3), torch.ones(3, 2, 3)))
+    _fit_check(_fit_payload(torch.ones(2, 3), torch.ones(3, 5, 2, 3)))  # a stack per client
+
+
+def test_a_tensor_unlike_the_manifests_record_is_damage_with_valid_checksums(tmp_path):
+    from tests.rundir.damage import rehash_tensor_file
+
+    path = write_checkpoint(tmp_path / "round_000001.json", {"w": torch.ones(3)})
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3, dtype=torch.int32)}, path.with_suffix(".safetensors"))
+    rehash_tensor_file(path)
+    with pytest.raises(
+        CheckpointError, match=r"tensor w is int32 \[3\], the manifest recorded float32 \[3\]"
+    ):
+        read_checkpoint(path)
+
+
+def test_a_manifest_without_a_record_of_its_tensors_still_reads(tmp_path):
+    """Manifests written before ``tensors.layout`` was recorded."""
+    path = write_checkpoint(tmp_path / "round_000001.json", {"w": torch.arange(3.0)})
+    manifest = json.loads(path.read_text())
+    del manifest["tensors"]["layout"]
+    manifest["sha256"] = _manifest_sha256(manifest)
+    path.write_text(json.dumps(manifest))
+    assert torch.equal(read_checkpoint(path)["w"], torch.arange(3.0))
+
+
+def test_a_flat_copy_keyed_by_a_weight_name_outside_the_weights_places_is_not_checked():
+    """A compressor's residual (mechanisms/compression/...) is keyed by weight name but flat."""
+    payload = _fit_payload(torch.zeros(2, 3))
+    payload["mechanisms"] = {"compression": {"residual": {0: {"fc.weight": torch.zeros(6)}}}}
+    _fit_check(payload)

@@ -16,6 +16,7 @@ from fedloom.config import RunConfig, load_yaml, parse_config
 from fedloom.core.files import read_json_object
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.pytree import Tree
+from fedloom.core.run_files import Summary, read_typed
 from fedloom.core.runpaths import under
 from fedloom.data import FederatedData, load_dataset
 from fedloom.engine.loop import Engine
@@ -57,7 +58,7 @@ class FinishedRun:
     @property
     def summary(self) -> dict[str, Any]:
         path = under(self.path, "summary.json")
-        return read_json_object(path) if path.is_file() else {}
+        return read_typed(path, Summary) if path.is_file() else {}
 
 
 def load_finished_run(
@@ -80,7 +81,7 @@ def load_finished_run(
     # the models do not depend on where clients ran: read them back in this process
     cfg.executor = ExecutorConfig(kind="sequential")
     engine = Engine(cfg, data, module)
-    saved = run.latest_checkpoint()
+    saved = run.latest_checkpoint(engine.checkpoint_fit())
     if saved is None:
         raise RunDirError(
             f"{run.path} has no checkpoint to read the trained models from; run with "

@@ -50,11 +50,12 @@ def check_labels(y: torch.Tensor, where: str, classes: int | None = None) -> Non
 def check_uniform(clients: Sequence[ClientData], names: Sequence[str]) -> None:
     """DataError naming the first client whose features or targets cannot be batched with
     the first client's: another sample shape, another target kind, a non-finite value."""
-    first = clients[0]
-    shape, target = tuple(first.x_train.shape[1:]), first.y_train.dtype
     for where, x, y in _splits(clients, names):
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             raise DataError(f"data, {where}: features and targets must be torch tensors")
+    first = clients[0]
+    shape, target = tuple(first.x_train.shape[1:]), first.y_train.dtype
+    for where, x, y in _splits(clients, names):
         if x.shape[0] != y.shape[0]:
             raise DataError(f"data, {where}: {x.shape[0]} features but {y.shape[0]} targets")
         if tuple(x.shape[1:]) != shape:

@@ -91,6 +91,36 @@ def _normalize_targets(y: torch.Tensor) -> torch.Tensor:
     return y.to(torch.int64).reshape(-1)
 
 
+def _check_pairs(pairs: Any, what: str) -> None:
+    """DataError unless ``pairs`` is a list or tuple of (features, targets) pairs."""
+    if not isinstance(pairs, list | tuple):
+        raise DataError(
+            f"from_arrays: {what} must be a list of (features, targets) pairs, one per client, "
+            f"not {type(pairs).__name__}"
+        )
+    for k, pair in enumerate(pairs):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise DataError(
+                f"from_arrays: {what}[{k}] must be a (features, targets) pair, not "
+                f"{type(pair).__name__}"
+            )
+
+
+def _check_arguments(train: Any, test: Any, test_fraction: Any, seed: Any, name: Any) -> None:
+    """DataError naming the first argument of ``from_arrays`` of the wrong type or range."""
+    _check_pairs(train, "train")
+    if test is not None:
+        _check_pairs(test, "test")
+    fraction_ok = isinstance(test_fraction, int | float) and not isinstance(test_fraction, bool)
+    if not fraction_ok or not 0 <= test_fraction < 1:
+        shown = clipped(repr(test_fraction))
+        raise DataError(f"from_arrays: test_fraction must be a number in [0, 1), not {shown}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise DataError(f"from_arrays: seed must be an int >= 0, not {clipped(repr(seed))}")
+    if not isinstance(name, str) or not name:
+        raise DataError(f"from_arrays: name must be a non-empty string, not {clipped(repr(name))}")
+
+
 def from_arrays(
     train: Sequence[tuple[Any, Any]],
     test: Sequence[tuple[Any, Any]] | None = None,
@@ -108,6 +138,7 @@ def from_arrays(
     """
     from fedloom.core.rng import numpy_rng
 
+    _check_arguments(train, test, test_fraction, seed, name)
     if len(train) == 0:
         raise DataError("from_arrays: train must hold at least one client's (features, targets)")
     if test is not None and len(test) != len(train):

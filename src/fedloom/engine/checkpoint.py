@@ -6,15 +6,22 @@ One checkpoint is a pair of files in ``checkpoints/``:
   tree (``server/params/fc1.weight``; a ``/`` or ``~`` inside one key is escaped as in JSON
   Pointer, RFC 6901: ``~1``, ``~0``). safetensors stores dtype and shape, nothing executable.
 - ``round_NNNNNN.json``: the manifest: the payload's tree with every tensor replaced by a
-  reference to its key, the SHA-256 and size of the tensor file, and a SHA-256 of the manifest
-  itself. Values JSON cannot hold exactly are tagged (``{"$tuple": [...]}``, see
-  :func:`encode`), so ints stay ints, tuples stay tuples, int dict keys stay ints and NaN stays
-  NaN.
+  reference to its key, the SHA-256 and size of the tensor file and each tensor's dtype and
+  shape (``tensors.layout``), and a SHA-256 of the manifest itself. Values JSON cannot hold
+  exactly are tagged (``{"$tuple": [...]}``, see :func:`encode`), so ints stay ints, tuples
+  stay tuples, int dict keys stay ints and NaN stays NaN.
 
 Writing: each file goes to a temporary name, is flushed and ``os.fsync``-ed, then atomically
 renamed with ``os.replace``; the tensor file first, the manifest (the commit point) last, then
 the directory is fsync-ed. A power cut leaves either the previous checkpoint or the new one,
 and a torn file is caught by its checksum when the checkpoint is read.
+
+Reading trusts nothing (a run directory may come from anyone): the manifest is checked against
+its typed model (core/run_files.py), every tensor against the dtype and shape the manifest
+recorded, and then, by the reader's ``check``, against what the run expects
+(engine/checkpoint_fit.py: the model's shapes and dtypes, no NaN or infinite weight). A
+checkpoint failing any of these is damaged (``CheckpointError``): the run directory falls back
+to the older one (engine/rundir.py, ``latest_checkpoint``); a tensor is never cast.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fedloom.core.run_files import CheckpointManifest, type_problem
 from fedloom.errors import RunDirError
 
 FORMAT = "fedloom-checkpoint"
@@ -48,6 +56,25 @@ class CheckpointError(RunDirError):
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older good one."""
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that is whole does not fit the run reading it (a ``Check``'s verdict: the
+    message names the tensor or key, and what the run expects)."""
+
+
+Check = Callable[[dict[str, Any], dict[str, torch.Tensor]], None]
+"""What a reader expects of a checkpoint: called with the payload and its tensors by key;
+raises ``CheckpointMismatch`` when they do not fit."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe(tensor: torch.Tensor) -> str:
+    """``float32 [10, 64]``: a tensor's dtype and shape, for messages."""
+    return f"{dtype_name(tensor.dtype)} {list(tensor.shape)}"
 
 
 # -- the tree <-> (JSON, tensors) ---------------------------------------------------------------
@@ -153,7 +180,7 @@ _ENCODE_BY_TYPE: dict[type, _Encode] = {
     torch.nn.Parameter: _Encoder.tensor_ref,
     np.ndarray: _Encoder.ndarray,
     torch.Generator: _Encoder.generator,
-    torch.dtype: lambda _, v, __: {"$dtype": str(v).removeprefix("torch.")},
+    torch.dtype: lambda _, v, __: {"$dtype": dtype_name(v)},
     torch.Size: lambda _, v, __: {"$size": list(v)},
     torch.device: lambda _, v, __: {"$device": str(v)},
     bytes: lambda _, v, __: {"$bytes": base64.b64encode(v).decode("ascii")},
@@ -295,7 +322,15 @@ def write_checkpoint(
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
-        "tensors": {"file": tensor_path.name, "sha256": sha, "bytes": size},
+        "tensors": {
+            "file": tensor_path.name,
+            "sha256": sha,
+            "bytes": size,
+            "layout": {
+                k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+                for k, v in tensors.items()
+            },
+        },
         "tree": tree,
         **(facts or {}),
     }
@@ -309,10 +344,13 @@ def write_checkpoint(
     return manifest_path
 
 
-def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
-    """The payload of a checkpoint, after verifying both checksums; never unpickles.
+def read_checkpoint(manifest_path: Path, check: Check | None = None) -> dict[str, Any]:
+    """The payload of a checkpoint, after verifying both checksums, the manifest's types, each
+    tensor's dtype and shape against the manifest, and ``check`` (what the reader expects);
+    never unpickles.
 
-    Raises :class:`CheckpointError` naming the file when anything is missing or damaged."""
+    Raises :class:`CheckpointError` naming the file (and the tensor or key) when anything is
+    missing, damaged or does not fit."""
     tensor_path = manifest_path.with_suffix(TENSOR_SUFFIX)
 
     def bad(path: Path, why: str) -> CheckpointError:
@@ -328,11 +366,16 @@ def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
         raise bad(manifest_path, f"not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
         raise bad(manifest_path, f"version {manifest.get('version')!r}, expected {VERSION}")
-    if manifest.get("sha256") != _manifest_sha256(manifest):
+    try:
+        own = _manifest_sha256(manifest)
+    except ValueError as err:  # NaN in the JSON text: never written by write_checkpoint
+        raise bad(manifest_path, f"not strict JSON ({err})") from None
+    if manifest.get("sha256") != own:
         raise bad(manifest_path, "SHA-256 of the manifest does not match")
-    expected = manifest.get("tensors")
-    if not isinstance(expected, dict) or not {"file", "sha256", "bytes"} <= set(expected):
-        raise bad(manifest_path, "no record of its tensor file")
+    problem = type_problem(manifest, CheckpointManifest)
+    if problem is not None:
+        raise bad(manifest_path, problem)
+    expected = manifest["tensors"]
     if expected["file"] != tensor_path.name:
         raise bad(manifest_path, f"names tensor file {expected['file']!r}")
     if not tensor_path.is_file():
@@ -349,12 +392,56 @@ def read_checkpoint(manifest_path: Path) -> dict[str, Any]:
         tensors = {k: v.clone() for k, v in load_file(tensor_path).items()}
     except SafetensorError as err:
         raise bad(tensor_path, f"not a safetensors file ({err})") from None
+    why = _layout_problem(tensors, expected.get("layout"))
+    if why is not None:
+        raise bad(tensor_path, why)
     try:
-        payload = decode(manifest.get("tree"), tensors)
+        payload = decode(manifest["tree"], tensors)
     except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as err:
         raise bad(
             manifest_path, f"its tree does not decode ({type(err).__name__}: {err})"
         ) from None
     if not isinstance(payload, dict):
         raise bad(manifest_path, "the payload is not a dict")
+    if check is not None:
+        try:
+            check(payload, tensors)
+        except CheckpointMismatch as err:
+            raise bad(manifest_path, str(err)) from None
     return payload
+
+
+def _layout_problem(
+    tensors: dict[str, torch.Tensor], layout: dict[str, dict[str, Any]] | None
+) -> str | None:
+    """How the tensor file differs from the manifest's record of it (None: it does not)."""
+    if layout is None:
+        return None
+    missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
+    if missing or extra:
+        which = f"no tensor {missing[0]}" if missing else f"a tensor {extra[0]} not recorded"
+        return f"{which} in the manifest's record of the tensor file"
+    for key, tensor in tensors.items():
+        record = layout[key]
+        if record["dtype"] != dtype_name(tensor.dtype) or record["shape"] != list(tensor.shape):
+            return (
+                f"tensor {key} is {describe(tensor)}, the manifest recorded "
+                f"{record['dtype']} {record['shape']}"
+            )
+    return None
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """``CheckpointMismatch`` naming the first floating-point tensor holding NaN or infinity
+    (a run's readers: no state a run checkpoints is non-finite, since a diverged client is
+    refused or dropped before it reaches the server, train.nonfinite; the file format itself
+    keeps NaN)."""
+    for key, tensor in tensors.items():
+        if (tensor.is_floating_point() or tensor.is_complex()) and not bool(
+            torch.isfinite(tensor).all()
+        ):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointMismatch(
+                f"tensor {key} holds {bad} NaN or infinite value(s) of {tensor.numel()} "
+                "(weights a finite run cannot have)"
+            )

@@ -19,6 +19,8 @@ from fedloom.core.files import one_line
 from fedloom.core.protocol import ClientTask
 from fedloom.data.federated import FederatedData
 from fedloom.engine.build import EngineParts, build_parts
+from fedloom.engine.checkpoint import Check
+from fedloom.engine.checkpoint_fit import run_fit
 from fedloom.engine.context import Callback, RunContext, merge
 from fedloom.engine.executor import Executor
 from fedloom.engine.mechanisms import UploadTransform
@@ -91,10 +93,17 @@ class Engine(EngineParts):
         params, buffers = self.model.initial_state(self.config.seed)
         return RunState(self.algorithm.init_server_state(params, buffers), self.new_store())
 
+    def checkpoint_fit(self) -> Check:
+        """What this run expects of a checkpoint it reads (engine/checkpoint_fit.py): its
+        model's dtypes and shapes, its fresh state's kinds, one table row per client slot."""
+        params, buffers = self.model.initial_state(self.config.seed)
+        fresh = self.initial_state()
+        return run_fit({**params, **buffers}, fresh.checkpoint(), fresh.clients.num_clients)
+
     def resumed_state(self) -> RunState:
         """The state of the newest good checkpoint; metrics.jsonl rewritten to match it."""
         assert self.run_dir is not None
-        saved = checkpoint_payload(self.run_dir)
+        saved = checkpoint_payload(self.run_dir, self.checkpoint_fit())
         try:
             state = RunState.from_checkpoint(saved, self.new_store())
             self.mechanisms.load_state_dict(state.mechanisms)

@@ -26,6 +26,7 @@ from fedloom.core.runpaths import link_error, refuse_links, under, write_text_at
 from fedloom.engine.checkpoint import (
     MANIFEST_SUFFIX,
     TENSOR_SUFFIX,
+    Check,
     CheckpointError,
     CheckpointWarning,
     read_checkpoint,
@@ -385,11 +386,13 @@ class RunDir:
         under(path.parent, path.with_suffix(TENSOR_SUFFIX).name)
         return read_checkpoint(path)
 
-    def latest_checkpoint(self) -> dict[str, Any] | None:
+    def latest_checkpoint(self, check: Check | None = None) -> dict[str, Any] | None:
         """The newest good checkpoint's payload, or None if there is none at all.
 
-        A damaged or incomplete newer one (torn by a crash, a tampered byte) is skipped with a
-        ``CheckpointWarning`` naming it; if every checkpoint is bad, ``RunDirError`` names them.
+        A damaged or incomplete newer one (torn by a crash, a tampered byte, a tensor of
+        another shape or dtype than the manifest's or ``check``'s, NaN weights) is skipped with
+        a ``CheckpointWarning`` naming it; if every checkpoint is bad, ``RunDirError`` names
+        them and says what to do.
         """
         rounds = self._checkpoint_rounds()
         legacy = sorted(p for files in rounds.values() for p in files if p.suffix == ".pt")
@@ -409,13 +412,16 @@ class RunDir:
             try:
                 manifest = self.checkpoint_path(r)
                 under(manifest.parent, manifest.with_suffix(TENSOR_SUFFIX).name)
-                return read_checkpoint(manifest)
+                return read_checkpoint(manifest, check)
             except CheckpointError as err:
                 failures.append(str(err))
                 warnings.warn(f"{err}; trying an older checkpoint", CheckpointWarning, stacklevel=2)
         if failures:
             raise RunDirError(
-                f"no good checkpoint to resume {self.path} from: " + "; ".join(failures)
+                f"no good checkpoint to resume {self.path} from: "
+                + "; ".join(failures)
+                + ". Restore its checkpoints/ from a copy, or start the run again in a new "
+                "directory (fedloom run CONFIG --out NEW_DIR, with its config.yaml as CONFIG)"
             )
         return None
 

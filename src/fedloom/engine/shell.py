@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedloom.engine.checkpoint import Check
+from fedloom.engine.checkpoint_fit import shell_fit
 from fedloom.engine.rundir import RunDir, default_run_dir
 from fedloom.engine.rundir import releasing_locks as releasing_locks  # the families' runners
 from fedloom.errors import RunDirError
@@ -67,10 +69,24 @@ def base_summary(
     }
 
 
-def checkpoint_payload(run_dir: RunDir) -> dict[str, Any]:
-    """The newest good checkpoint of ``run_dir``, written under its config (``check_drift``);
-    RunDirError when there is none."""
-    saved = run_dir.latest_checkpoint()
+def checkpoint_payload(run_dir: RunDir, check: Check | None = None) -> dict[str, Any]:
+    """The newest good checkpoint of ``run_dir`` that passes ``check`` (what the run expects
+    of it; engine/checkpoint_fit.py), written under its config (``check_drift``); RunDirError
+    when there is none."""
+    try:
+        saved = run_dir.latest_checkpoint(check)
+    except RunDirError:
+        # none fits the run: if config.yaml was edited since (another model, say), that is the
+        # reason to give, not the damage it looks like from here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                unchecked = run_dir.latest_checkpoint()
+            except RunDirError:
+                unchecked = None
+        if unchecked is not None:
+            run_dir.check_drift(unchecked)
+        raise
     if saved is None:
         raise no_checkpoint(run_dir)
     run_dir.check_drift(saved)
@@ -190,7 +206,7 @@ class RunShell:
         metrics.jsonl rewritten to match), or None to start afresh (no checkpoint yet)."""
         if self.run_dir is None:
             return None
-        saved = self.run_dir.latest_checkpoint()
+        saved = self.run_dir.latest_checkpoint(shell_fit)
         if saved is None:
             self.run_dir.rewrite_metrics([])
             return None

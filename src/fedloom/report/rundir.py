@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.core.files import read_yaml_mapping
+from fedloom.core.run_files import Summary, type_problem
 from fedloom.core.runpaths import refuse_links, under
 from fedloom.errors import RunDirError
 
@@ -125,7 +126,7 @@ def load_run(run_dir: str | Path) -> RunData:
     notes: list[str] = []
     config = _load_config(under(path, CONFIG_FILE))
     rounds = _load_metrics(under(path, METRICS_FILE), notes)
-    summary = _load_json_mapping(under(path, SUMMARY_FILE), notes)
+    summary = _typed(_load_json_mapping(under(path, SUMMARY_FILE), notes), SUMMARY_FILE, notes)
     histogram = _load_label_histogram(under(path, LABEL_HISTOGRAM_FILE), notes)
     heterogeneity = _load_json_mapping(under(path, HETEROGENEITY_FILE), notes)
     return RunData(path, config, rounds, summary, histogram, notes, heterogeneity)
@@ -174,6 +175,16 @@ def _load_json_mapping(path: Path, notes: list[str]) -> dict[str, Any] | None:
         notes.append(f"{path.name}: not a JSON object; ignored.")
         return None
     return data
+
+
+def _typed(summary: dict[str, Any] | None, name: str, notes: list[str]) -> dict[str, Any] | None:
+    """``summary`` when its keys have their types (core/run_files.py), else None and a note
+    naming the key: the page shows the rounds, as for a run still in progress."""
+    problem = type_problem(summary, Summary) if summary is not None else None
+    if problem is not None:
+        notes.append(f"{name}: {problem}; ignored.")
+        return None
+    return summary
 
 
 def _load_label_histogram(path: Path, notes: list[str]) -> LabelHistogram | None:

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fedloom.core.files import inside, one_line, read_json_object, read_yaml_mapping, strict_json
+from fedloom.core.run_files import Card, ServingMeta, Summary, check_typed, read_typed
 from fedloom.core.runpaths import under
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.serving import FILES, META_FILE, SERVING_DIR
@@ -74,6 +75,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
             f"{path}: files names unknown copies {unknown or meta['files']!r}; "
             f"the copies are {', '.join(WHAT)}"
         )
+    check_typed(meta, ServingMeta, path)
     return meta
 
 
@@ -97,7 +99,9 @@ def _split_clients(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torc
     """``CLIENT/NAME`` keys (engine/serving.py) back into one state dict per client."""
     out: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        cid, name = key.split("/", 1)
+        cid, _, name = key.partition("/")
+        if not (cid.isdigit() and name):
+            raise RunDirError(f"a per-client copy holds tensor {key!r}, not CLIENT/NAME")
         out.setdefault(int(cid), {})[name] = value
     return out
 
@@ -201,16 +205,20 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     target = _export_target(run_dir, out)
     meta = _read_meta(under(source, META_FILE))
     summary_path = under(run_dir, "summary.json")
-    summary = read_json_object(summary_path) if summary_path.is_file() else {}
+    summary = read_typed(summary_path, Summary) if summary_path.is_file() else {}
     config = read_yaml_mapping(under(run_dir, "config.yaml"))
     serving = _serving_facts(summary, meta)
     final = summary.get("final") or {}
+    # every copy is read before any is written: a damaged one leaves no partial export. The
+    # file names serving.json gives are read inside RUN/serving only; what is written is
+    # named here (FILES, clients/...), never after them
+    loaded = {
+        name: _load(inside(source, filename, f"{META_FILE} files.{name}"))
+        for name, filename in meta["files"].items()
+    }
     copies: dict[str, Any] = {}
     with _staged(target) as stage:
-        for name, filename in meta["files"].items():
-            # the file names serving.json gives are read inside RUN/serving only; what is
-            # written is named here (FILES, clients/...), never after them
-            tensors = _load(inside(source, filename, f"{META_FILE} files.{name}"))
+        for name, tensors in loaded.items():
             entry = _export_copy(name, tensors, stage, meta["model"])
             entry.update(_metrics(name, final, serving))
             copies[name] = entry
@@ -243,7 +251,7 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
     """The exported ``copy`` (global | ema | best | clients | clients_best) as a torch module
     in evaluation mode; ``client`` picks a client's file of the per-client copies."""
     folder = Path(folder)
-    card = read_json_object(folder / CARD_FILE)
+    card = read_typed(folder / CARD_FILE, Card)
     if copy not in card.get("copies", {}):
         raise RunDirError(f"{folder} has no '{copy}' copy; it has {', '.join(card['copies'])}")
     entry = card["copies"][copy]
@@ -260,7 +268,12 @@ def load_exported(folder: str | Path, copy: str = "global", client: int | None =
     module = build_model(
         card["model"]["name"], tuple(card["input_shape"]), card["num_outputs"], options
     )
-    module.load_state_dict(_load(path))
+    try:
+        module.load_state_dict(_load(path))
+    except RuntimeError as err:  # another shape than card.json's model has
+        raise RunDirError(
+            f"{path} does not fit the model {CARD_FILE} describes ({one_line(err)[:300]})"
+        ) from None
     return module.eval()
 
 
