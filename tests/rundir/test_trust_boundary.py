@@ -164,3 +164,14 @@ def test_a_directory_as_the_config_and_a_file_as_out_are_named(tmp_path):
     out = fedloom(["run", str(config), "--out", str(config)])
     assert out.is_clear_input_error(), out.stderr
     assert "is a file; a run writes a folder" in out.stderr
+
+
+def test_no_file_of_a_run_directory_is_executable(finished):
+    """Files are written 0o644 (before the umask): os.open without a mode would make the
+    metrics log an executable 0o755 file."""
+    executable = [
+        str(p.relative_to(finished))
+        for p in finished.rglob("*")
+        if p.is_file() and p.stat().st_mode & 0o111
+    ]
+    assert executable == []

@@ -320,7 +320,8 @@ class RunDir:
         write_text_atomic(self.file(name), strict_json(obj, indent=2))
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+        fd = os.open(self.metrics_path, flags, 0o644)  # a log, not a program
         with os.fdopen(fd, "a") as f:
             f.write(strict_json(row) + "\n")
 
