@@ -62,3 +62,29 @@ def test_the_cpu_measurement_is_the_fmnist_protocol_at_two_rounds_on_both_skews(
     assert short.base["data"] == {k: v for k, v in full.base["data"].items() if k != "partition"}
     assert short.base["model"] == full.base["model"]
     short.validate()
+
+
+LEADERBOARD = [
+    *("moon", "fedbabu", "fedrod", "fedala", "feddbe", "fedas", "fedcp", "gpfl", "fedpac"),
+    *("fedgh", "fedcac", "fedfomo", "fedamp", "apple", "cfl", "fedem"),
+]
+
+
+def test_the_leaderboard_sweep_is_the_fmnist_protocol_for_the_new_algorithms():
+    """leaderboard_fmnist.yaml (docs/leaderboard_algorithms.md): the same protocol as
+    pfllib_fmnist_dir01.yaml over both label skews, FedAvg, Ditto and FedRep beside the
+    sixteen leaderboard algorithms, every cell valid."""
+    sweep = load_spec(EXAMPLES / "leaderboard_fmnist.yaml")
+    protocol = load_spec(EXAMPLES / "pfllib_fmnist_dir01.yaml").base
+    names = [section["name"] for section in sweep.grid["algorithm"]]
+    assert names == ["fedavg", "ditto", "fedrep", *LEADERBOARD]
+    assert sweep.seeds == [0, 1, 2] and sweep.grid["data.partition"] == [
+        {"kind": "dirichlet", "alpha": 0.1},
+        {"kind": "pathological", "classes_per_client": 2},
+    ]
+    for section in ("model", "train", "eval"):
+        assert sweep.base[section] == protocol[section], section
+    assert {k: v for k, v in sweep.base["data"].items() if k != "partition"} == {
+        k: v for k, v in protocol["data"].items() if k != "partition"
+    }
+    sweep.validate()
