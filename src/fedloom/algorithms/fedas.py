@@ -189,10 +189,7 @@ class FedAS(Algorithm):
     ) -> tuple[Tree, Tree]:
         """[phi (downloaded), h_k (own)]."""
         assert state is not None
-        return (
-            self.split.merge(message["params"], state["params"]),
-            self.split.merge(message["buffers"], state["buffers"], params=False),
-        )
+        return self.split.start(message, state)
 
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution

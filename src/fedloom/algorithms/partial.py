@@ -67,6 +67,14 @@ class KeySplit:
         keys = self.param_keys if params else self.buffer_keys
         return {k: shared[k] if k in shared else local[k] for k in keys}
 
+    def start(self, message: Message, own: State) -> tuple[Tree, Tree]:
+        """(params, buffers) a client starts from: the received shared part, its own local
+        part (``own``: its state, holding at least the local keys)."""
+        return (
+            self.merge(message["params"], own["params"]),
+            self.merge(message["buffers"], own["buffers"], params=False),
+        )
+
     def shared(self, params: Tree, buffers: Tree) -> Message:
         return {
             "params": select(params, self.shared_params),
@@ -129,10 +137,7 @@ class PartialSharing(Algorithm):
         self, message: Message, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
         assert state is not None
-        return (
-            self.split.merge(message["params"], state["params"]),
-            self.split.merge(message["buffers"], state["buffers"], params=False),
-        )
+        return self.split.start(message, state)
 
     def local_finish(
         self, message: Message, state: State | None, task: ClientTask, solved: LocalSolution
