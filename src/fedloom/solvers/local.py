@@ -210,54 +210,24 @@ def local_sgd(
     same as the client programs' steps, which both backends run (algorithms/base.py,
     ``SGDProgram``).
     """
-    if adamw is not None and momentum:
-        raise ValueError("AdamW steps take no heavy-ball momentum (its first moment replaces it)")
     lean = model.lean()
     lean.load(params, buffers)
-    flat, flat_grad = lean.flat, lean.flat_grad
-    grads = lean.grad_view()
     frozen = [] if trainable is None else [k for k in lean.keys if k not in set(trainable)]
-    flat_velocity = None
-    flat_moments = _flat_moments(lean, moments) if adamw is not None else None
-    step0 = int(moments["step"]) if adamw is not None and moments is not None else 0
-    # decoupled weight decay would move frozen parameters: they are put back after each step
-    keep = {k: lean.views[k].detach().clone() for k in frozen} if adamw is not None else {}
-    if momentum:
-        flat_velocity = torch.zeros_like(flat)
-        if velocity is not None:
-            lean.flatten_into(velocity, flat_velocity)
+    rule = _StepRule(lean, lr, frozen, momentum, velocity, adamw, moments)
     hooked = head_input(lean.module.get_submodule(head)) if head else contextlib.nullcontext({})
     total = 0.0
     # one grad-mode switch for the loop, not two context managers a step: the updates below
     # touch only the flat buffers, which autograd does not track (the parameters are views)
     with hooked as store, torch.enable_grad():
         for step, (xb, yb) in enumerate(minibatches(x, y, plan, augment)):
-            flat_grad.zero_()
+            lean.flat_grad.zero_()
             out = lean.module(xb)
             if objective is None:
                 loss = model.loss_from_output(out, yb)
             else:
                 loss = objective(LeanBatch(step, xb, yb, out, store.get("h"), lean))
             backward(loss)
-            if correction is not None:  # a function of the views: no graph for it
-                with torch.no_grad():
-                    extra = correction(lean.views)
-                if extra is not None:
-                    for k, g in grads.items():
-                        g.add_(extra[k])
-            for k in frozen:
-                grads[k].zero_()
-            if flat_moments is not None:
-                assert adamw is not None
-                m, v = flat_moments
-                fused_adamw_([flat], [flat_grad], [m], [v], [step0 + step + 1], lr, adamw)
-                for k, value in keep.items():
-                    lean.views[k].data.copy_(value)
-            elif flat_velocity is not None:
-                flat_velocity.mul_(momentum).add_(flat_grad)
-                flat.sub_(flat_velocity, alpha=lr)
-            else:
-                flat.sub_(flat_grad, alpha=lr)
+            rule.step(step, correction)
             total += loss.item()
             if on_step is not None:
                 with torch.no_grad():  # snapshots copy the views
@@ -269,9 +239,78 @@ def local_sgd(
         params,
         lr,
         len(plan),
-        lean.unflatten(flat_velocity) if flat_velocity is not None else None,
-        _moments_tree(lean, flat_moments, step0 + len(plan)) if flat_moments else None,
+        rule.velocity_tree(),
+        rule.moments_tree(len(plan)),
     )
+
+
+class _StepRule:
+    """:func:`local_sgd`'s update after each backward pass, on the lean trainer's flat buffers:
+    the gradient plus ``correction``'s term, zero on the ``frozen`` parameters, then a plain
+    SGD step, a heavy-ball one (``torch.optim.SGD``'s, no dampening) from ``velocity``, or an
+    AdamW one (solvers/adamw.py) from ``moments``."""
+
+    def __init__(
+        self,
+        lean: LeanModule,
+        lr: float,
+        frozen: list[str],
+        momentum: float,
+        velocity: Tree | None,
+        adamw: AdamW | None,
+        moments: Moments | None,
+    ) -> None:
+        if adamw is not None and momentum:
+            raise ValueError(
+                "AdamW steps take no heavy-ball momentum (its first moment replaces it)"
+            )
+        self.lean, self.lr, self.frozen = lean, lr, frozen
+        self.momentum, self.adamw = momentum, adamw
+        self.grads = lean.grad_view()
+        self.moments = _flat_moments(lean, moments) if adamw is not None else None
+        self.step0 = int(moments["step"]) if adamw is not None and moments is not None else 0
+        # decoupled weight decay would move frozen parameters: they are put back after each step
+        self.keep = {k: lean.views[k].detach().clone() for k in frozen} if adamw is not None else {}
+        self.velocity: torch.Tensor | None = None
+        if momentum:
+            self.velocity = torch.zeros_like(lean.flat)
+            if velocity is not None:
+                lean.flatten_into(velocity, self.velocity)
+
+    def step(self, step: int, correction: GradCorrection | None) -> None:
+        """Local step ``step`` (from 0) on the gradient the backward pass left."""
+        if correction is not None:  # a function of the views: no graph for it
+            with torch.no_grad():
+                extra = correction(self.lean.views)
+            if extra is not None:
+                for k, g in self.grads.items():
+                    g.add_(extra[k])
+        for k in self.frozen:
+            self.grads[k].zero_()
+        flat, flat_grad = self.lean.flat, self.lean.flat_grad
+        if self.moments is not None:
+            assert self.adamw is not None
+            m, v = self.moments
+            fused_adamw_(
+                [flat], [flat_grad], [m], [v], [self.step0 + step + 1], self.lr, self.adamw
+            )
+            for k, value in self.keep.items():
+                self.lean.views[k].data.copy_(value)
+        elif self.velocity is not None:
+            self.velocity.mul_(self.momentum).add_(flat_grad)
+            flat.sub_(self.velocity, alpha=self.lr)
+        else:
+            flat.sub_(flat_grad, alpha=self.lr)
+
+    def velocity_tree(self) -> Tree | None:
+        """The heavy-ball velocity at the end (None without momentum)."""
+        return self.lean.unflatten(self.velocity) if self.velocity is not None else None
+
+    def moments_tree(self, steps: int) -> Moments | None:
+        """AdamW's moments after ``steps`` more steps (None without AdamW)."""
+        if self.moments is None:
+            return None
+        return _moments_tree(self.lean, self.moments, self.step0 + steps)
 
 
 def _flat_moments(lean: LeanModule, moments: Moments | None) -> tuple[torch.Tensor, torch.Tensor]:

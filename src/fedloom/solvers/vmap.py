@@ -237,75 +237,96 @@ class ChunkRunner:
         shared: dict[str, Any],
         shared_cpu: dict[str, Any],
     ) -> list[ClientRun]:
-        program, dev = self.program, self.device
+        """Every client's carry after its plans' local steps, with its metric sums and step
+        counts: the chunk steps together (``_step_all``) until only a few clients have steps
+        left, which finish on the sequential backend (``SEQUENTIAL_TAIL``)."""
+        program = self.program
         num = self.num = len(tasks)
-        ends = [plan_steps(p) for p in plans]
-        end = max(ends, default=0)
         leaves, spec = stack_carries(
-            [program.init(message, s, t) for s, t in zip(states, tasks, strict=True)], dev
+            [program.init(message, s, t) for s, t in zip(states, tasks, strict=True)], self.device
         )
-        ids = [t.client_id for t in tasks]
-        index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        present: dict[str, torch.Tensor] = {}
-        augments = [program.augmentations(p, t) for p, t in zip(plans, tasks, strict=True)]
-        self.augment_rows = {}
-        for name in plans[0]:
-            padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
-            draws = torch.cat([a[name].params for a in augments]) if augments[0] else None
-            rows, weight, sizes, laid = self.arena.batch_index(ids, padded, draws)
-            index[name] = (rows.to(dev), weight.to(dev), sizes)
-            present[name] = plan_presence(plans, name, sizes.shape[0])
-            if laid is not None:
-                self.augment_rows[name] = laid.to(dev)
-        self.streams = (
-            [draw_streams(program, t) for t in tasks]
-            if any(u.draw is not None for u in program.updates)
-            else []
-        )
+        index, present = self._lay_out(tasks, plans)
+        self.streams = chunk_streams(program, tasks)
         buffers = self._gather_buffers(index, num)
         sums: dict[str, dict[str, torch.Tensor]] = {u.name: {} for u in program.updates}
         counts = {u.name: torch.zeros(num, dtype=torch.long) for u in program.updates}
         program.model.module.train()
         runs: list[ClientRun | None] = [None] * num
-        # clients still stepping at step s: a prefix, as the clients come sorted by steps
-        alive_at = [0] * (end + 1)
-        for e in ends:
-            alive_at[e] += 1
-        for s in range(end - 1, -1, -1):
-            alive_at[s] += alive_at[s + 1]
-        for s in range(end):
+        alive_at = clients_alive([plan_steps(p) for p in plans])
+        for s in range(len(alive_at) - 1):
             alive = alive_at[s + 1]
             if 0 < alive <= SEQUENTIAL_TAIL < num and not self.stacked:
                 self._finish_tail(
                     leaves, spec, tasks, plans, shared_cpu, s, alive, sums, counts, runs
                 )
                 break
-            for update in program.updates:
-                lead = update.plans[0]
-                sizes = index[lead][2]
-                if s >= sizes.shape[0]:
-                    continue
-                on_s = present[lead][s]
-                for rows, width in self._groups(sizes[s], on_s):
-                    on = on_s[rows]
-                    self._step(
-                        update, leaves, spec, index, buffers, s, rows, width, on, shared, sums
-                    )
-                    counts[update.name][rows] += on.long()
-        flat_cpu = [leaf.cpu() for leaf in leaves]
-        per_client = [leaf.unbind(0) for leaf in flat_cpu]
+            self._step_all(leaves, spec, index, present, buffers, s, shared, sums, counts)
+        return self._results(leaves, spec, sums, counts, runs)
+
+    def _lay_out(
+        self, tasks: list[ClientTask], plans: list[dict[str, Plan]]
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+        """Each named plan of the chunk laid out over the arena (``Arena.batch_index``): its
+        (steps, clients, width) rows and weights on the device with its (steps, clients)
+        minibatch sizes, and its (steps, clients) presence (``plan_presence``); the plans'
+        augmentation draws are laid out the same way into ``augment_rows``."""
+        ids = [t.client_id for t in tasks]
+        augments = [self.program.augmentations(p, t) for p, t in zip(plans, tasks, strict=True)]
+        index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        present: dict[str, torch.Tensor] = {}
+        self.augment_rows = {}
+        for name in plans[0]:
+            padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
+            draws = torch.cat([a[name].params for a in augments]) if augments[0] else None
+            rows, weight, sizes, laid = self.arena.batch_index(ids, padded, draws)
+            index[name] = (rows.to(self.device), weight.to(self.device), sizes)
+            present[name] = plan_presence(plans, name, sizes.shape[0])
+            if laid is not None:
+                self.augment_rows[name] = laid.to(self.device)
+        return index, present
+
+    def _step_all(
+        self,
+        leaves: list[torch.Tensor],
+        spec: Any,
+        index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        present: dict[str, torch.Tensor],
+        buffers: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        s: int,
+        shared: dict[str, Any],
+        sums: dict[str, dict[str, torch.Tensor]],
+        counts: dict[str, torch.Tensor],
+    ) -> None:
+        """Step s of every update, in the program's order, for each group of clients that has
+        a minibatch of the update's lead plan (``_groups``), counting the steps taken."""
+        for update in self.program.updates:
+            lead = update.plans[0]
+            sizes = index[lead][2]
+            if s >= sizes.shape[0]:
+                continue
+            on_s = present[lead][s]
+            for rows, width in self._groups(sizes[s], on_s):
+                on = on_s[rows]
+                self._step(update, leaves, spec, index, buffers, s, rows, width, on, shared, sums)
+                counts[update.name][rows] += on.long()
+
+    def _results(
+        self,
+        leaves: list[torch.Tensor],
+        spec: Any,
+        sums: dict[str, dict[str, torch.Tensor]],
+        counts: dict[str, torch.Tensor],
+        runs: list[ClientRun | None],
+    ) -> list[ClientRun]:
+        """The chunk's stacked carries, metric sums and step counts unstacked into one run per
+        client (on the CPU), except for the clients the sequential tail already ran."""
+        per_client = [leaf.cpu().unbind(0) for leaf in leaves]
         sums_cpu = {u: {k: v.cpu().tolist() for k, v in m.items()} for u, m in sums.items()}
         counts_cpu = {u: n.tolist() for u, n in counts.items()}  # Python ints, not 0-d tensors
-        out: list[ClientRun] = []
-        for c in range(num):
-            if runs[c] is not None:
-                out.append(runs[c])  # type: ignore[arg-type]
-                continue
-            carry = spec.build([rows[c] for rows in per_client])
-            client_counts = {u: n[c] for u, n in counts_cpu.items()}
-            client_sums = {u: {k: v[c] for k, v in m.items()} for u, m in sums_cpu.items()}
-            out.append(ClientRun(carry, finish_metrics(client_sums, client_counts), client_counts))
-        return out
+        return [
+            done if done is not None else _client_run(c, spec, per_client, sums_cpu, counts_cpu)
+            for c, done in enumerate(runs)
+        ]
 
     # -- one update of one group of clients at step s ----------------------------------------
     def _step(
@@ -476,6 +497,42 @@ def plan_presence(plans: list[dict[str, Plan]], name: str, steps: int) -> torch.
     ends = torch.tensor([p[name].end for p in plans])
     s = torch.arange(steps)[:, None]
     return (s >= starts[None, :]) & (s < ends[None, :])
+
+
+def chunk_streams(
+    program: ClientProgram, tasks: list[ClientTask]
+) -> list[dict[str, torch.Generator]]:
+    """Each client's draw streams (``draw_streams``) when an update of ``program`` draws
+    random tensors (``Update.draw``); empty otherwise."""
+    if any(u.draw is not None for u in program.updates):
+        return [draw_streams(program, t) for t in tasks]
+    return []
+
+
+def clients_alive(ends: list[int]) -> list[int]:
+    """How many of the chunk's clients still take a step at each step s (``ends``: each
+    client's steps, in the chunk's order by steps, so the clients alive form a prefix), up to
+    and including the last step ``max(ends)``, where none is."""
+    alive_at = [0] * (max(ends, default=0) + 1)
+    for e in ends:
+        alive_at[e] += 1
+    for s in range(len(alive_at) - 2, -1, -1):
+        alive_at[s] += alive_at[s + 1]
+    return alive_at
+
+
+def _client_run(
+    c: int,
+    spec: Structure,
+    per_client: list[tuple[torch.Tensor, ...]],
+    sums: dict[str, dict[str, list[float]]],
+    counts: dict[str, list[int]],
+) -> ClientRun:
+    """Client ``c``'s run from the chunk's unstacked leaves, metric sums and step counts."""
+    carry = spec.build([rows[c] for rows in per_client])
+    client_counts = {u: n[c] for u, n in counts.items()}
+    client_sums = {u: {k: v[c] for k, v in m.items()} for u, m in sums.items()}
+    return ClientRun(carry, finish_metrics(client_sums, client_counts), client_counts)
 
 
 def _vmapped(update: Update, ops: FuncOps) -> Any:
