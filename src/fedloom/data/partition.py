@@ -62,6 +62,18 @@ class Partition(BaseModel):
         return self.model_dump()
 
 
+class UnpooledPartition(Partition):
+    """Base of the partitions whose clients come from elsewhere than a split of a pool of
+    samples (a dataset's own users, a partition file): ``split`` refuses with ``refusal``."""
+
+    refusal: ClassVar[str] = ""
+
+    def split(
+        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
+    ) -> list[np.ndarray]:
+        raise ConfigError(f"{KEY}.kind: {self.refusal}")
+
+
 def check_partition(parts: list[np.ndarray], n: int) -> None:
     """Raise if ``parts`` is not an exact cover of ``range(n)`` (an internal bug, not input)."""
     allidx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -12,13 +12,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from fedloom.data.config import validate
 from fedloom.data.federated import FederatedData
-from fedloom.data.partition import KEY, PARTITIONS, Partition
+from fedloom.data.partition import KEY, PARTITIONS, Partition, UnpooledPartition
 from fedloom.errors import ConfigError, DataError
 
 FORMAT = "fedloom-partition/1"
@@ -57,7 +57,7 @@ class PoolInfo:
 
 
 @PARTITIONS.register("file")
-class FilePartition(Partition):
+class FilePartition(UnpooledPartition):
     """The clients of a ``partition.json`` (each one's train and test samples, in order).
 
     ``federate_pool`` reads the file (:func:`read_partition_file`); the file's own partition
@@ -66,14 +66,10 @@ class FilePartition(Partition):
 
     kind: Literal["file"] = "file"
     path: str
-
-    def split(
-        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
-    ) -> list[np.ndarray]:
-        raise ConfigError(
-            f"{KEY}.kind: 'file' holds indices into a dataset's pool of samples; this dataset "
-            "has none (its clients are its own)"
-        )
+    refusal: ClassVar[str] = (
+        "'file' holds indices into a dataset's pool of samples; this dataset has none (its "
+        "clients are its own)"
+    )
 
 
 @dataclass(frozen=True)

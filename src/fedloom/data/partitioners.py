@@ -9,7 +9,14 @@ import torch
 from pydantic import Field
 
 from fedloom.core.rng import generator
-from fedloom.data.partition import KEY, PARTITIONS, Partition, round_preserving_sum, split_by_sizes
+from fedloom.data.partition import (
+    KEY,
+    PARTITIONS,
+    Partition,
+    UnpooledPartition,
+    round_preserving_sum,
+    split_by_sizes,
+)
 from fedloom.data.rotate import rotate_images
 from fedloom.errors import ConfigError
 
@@ -94,21 +101,42 @@ class DirichletPartition(LabelSkewPartition):
         n = len(labels)
         _check_min_size(num_clients, self.min_size, n)
         by_class = [np.flatnonzero(labels == c) for c in classes]
-        smallest = 0
-        for _ in range(MAX_DIRICHLET_TRIES):
-            drawn = draw_dirichlet(by_class, num_clients, self.alpha, rng, balance=self.pfllib)
-            if drawn is None:
-                continue
-            smallest = int(drawn[2].min())
-            if smallest >= self.min_size:
-                return assemble(drawn, num_clients)
-        raise ConfigError(
-            f"{KEY}.min_size: after {MAX_DIRICHLET_TRIES} Dirichlet draws (alpha={self.alpha}"
-            f"{', pfllib' if self.pfllib else ''}) of {n} samples over {num_clients} clients "
-            f"some client still had fewer than min_size={self.min_size} samples (the last "
-            f"draw's smallest: {smallest}); raise {KEY}.alpha, lower {KEY}.min_size or use "
-            "fewer clients"
+        draws = f"Dirichlet draws (alpha={self.alpha}{', pfllib' if self.pfllib else ''})"
+        return redraw_dirichlet(
+            by_class, num_clients, self.alpha, self.min_size, rng, draws, balance=self.pfllib
         )
+
+
+def redraw_dirichlet(
+    by_class: list[np.ndarray],
+    num_clients: int,
+    alpha: float,
+    min_size: int,
+    rng: np.random.Generator,
+    draws: str,
+    *,
+    balance: bool,
+    holders: list[np.ndarray] | None = None,
+) -> list[np.ndarray]:
+    """One index array per client from Dirichlet draws (``draw_dirichlet``), the whole draw
+    repeated until every client holds at least ``min_size`` samples, at most
+    MAX_DIRICHLET_TRIES times; then a ConfigError naming the numbers (``draws``: the kind of
+    draw and its settings)."""
+    smallest = 0
+    for _ in range(MAX_DIRICHLET_TRIES):
+        drawn = draw_dirichlet(by_class, num_clients, alpha, rng, balance=balance, holders=holders)
+        if drawn is None:
+            continue
+        smallest = int(drawn[2].min())
+        if smallest >= min_size:
+            return assemble(drawn, num_clients)
+    n = sum(len(c) for c in by_class)
+    raise ConfigError(
+        f"{KEY}.min_size: after {MAX_DIRICHLET_TRIES} {draws} of {n} samples over {num_clients} "
+        f"clients some client still had fewer than min_size={min_size} samples (the last "
+        f"draw's smallest: {smallest}); raise {KEY}.alpha, lower {KEY}.min_size or use fewer "
+        "clients"
+    )
 
 
 DirichletDraw = tuple[list[np.ndarray], list[np.ndarray], np.ndarray]
@@ -252,18 +280,13 @@ class QuantityPartition(Partition):
 
 
 @PARTITIONS.register("natural")
-class NaturalPartition(Partition):
+class NaturalPartition(UnpooledPartition):
     """The dataset's own users (writers, roles, devices); only natural datasets support it."""
 
     kind: Literal["natural"] = "natural"
-
-    def split(
-        self, labels: np.ndarray, num_clients: int, rng: np.random.Generator
-    ) -> list[np.ndarray]:
-        raise ConfigError(
-            f"{KEY}.kind: 'natural' needs a dataset with its own users "
-            "(femnist, shakespeare, synthetic, quadratic)"
-        )
+    refusal: ClassVar[str] = (
+        "'natural' needs a dataset with its own users (femnist, shakespeare, synthetic, quadratic)"
+    )
 
 
 @PARTITIONS.register("rotation")

@@ -16,12 +16,7 @@ import numpy as np
 from pydantic import Field
 
 from fedloom.data.partition import KEY, PARTITIONS, split_by_sizes
-from fedloom.data.partitioners import (
-    MAX_DIRICHLET_TRIES,
-    LabelSkewPartition,
-    assemble,
-    draw_dirichlet,
-)
+from fedloom.data.partitioners import LabelSkewPartition, redraw_dirichlet
 from fedloom.errors import ConfigError
 
 MAX_ASSIGNMENT_TRIES = 1000
@@ -170,22 +165,16 @@ class ExtendedDirichletPartition(LabelSkewPartition):
     ) -> list[np.ndarray]:
         holders = self.assign(len(classes), num_clients, rng)
         by_class = [np.flatnonzero(labels == c) for c in classes]
-        smallest = 0
-        for _ in range(MAX_DIRICHLET_TRIES):
-            drawn = draw_dirichlet(
-                by_class, num_clients, self.alpha, rng, balance=self.balance, holders=holders
-            )
-            if drawn is None:
-                continue
-            smallest = int(drawn[2].min())
-            if smallest >= self.min_size:
-                return assemble(drawn, num_clients)
-        raise ConfigError(
-            f"{KEY}.min_size: after {MAX_DIRICHLET_TRIES} ExDir draws (alpha={self.alpha}, "
-            f"classes_per_client={self.classes_per_client}) of {len(labels)} samples over "
-            f"{num_clients} clients some client still had fewer than min_size={self.min_size} "
-            f"samples (the last draw's smallest: {smallest}); raise {KEY}.alpha, lower "
-            f"{KEY}.min_size or use fewer clients"
+        draws = f"ExDir draws (alpha={self.alpha}, classes_per_client={self.classes_per_client})"
+        return redraw_dirichlet(
+            by_class,
+            num_clients,
+            self.alpha,
+            self.min_size,
+            rng,
+            draws,
+            balance=self.balance,
+            holders=holders,
         )
 
     def assign(
