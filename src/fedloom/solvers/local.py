@@ -213,7 +213,7 @@ def local_sgd(
     lean = model.lean()
     lean.load(params, buffers)
     frozen = [] if trainable is None else [k for k in lean.keys if k not in set(trainable)]
-    rule = _StepRule(lean, lr, frozen, momentum, velocity, adamw, moments)
+    rule = _StepRule(lean, lr, correction, frozen, momentum, velocity, adamw, moments)
     hooked = head_input(lean.module.get_submodule(head)) if head else contextlib.nullcontext({})
     total = 0.0
     # one grad-mode switch for the loop, not two context managers a step: the updates below
@@ -227,7 +227,7 @@ def local_sgd(
             else:
                 loss = objective(LeanBatch(step, xb, yb, out, store.get("h"), lean))
             backward(loss)
-            rule.step(step, correction)
+            rule.step(step)
             total += loss.item()
             if on_step is not None:
                 with torch.no_grad():  # snapshots copy the views
@@ -254,6 +254,7 @@ class _StepRule:
         self,
         lean: LeanModule,
         lr: float,
+        correction: GradCorrection | None,
         frozen: list[str],
         momentum: float,
         velocity: Tree | None,
@@ -264,7 +265,7 @@ class _StepRule:
             raise ValueError(
                 "AdamW steps take no heavy-ball momentum (its first moment replaces it)"
             )
-        self.lean, self.lr, self.frozen = lean, lr, frozen
+        self.lean, self.lr, self.correction, self.frozen = lean, lr, correction, frozen
         self.momentum, self.adamw = momentum, adamw
         self.grads = lean.grad_view()
         self.moments = _flat_moments(lean, moments) if adamw is not None else None
@@ -277,11 +278,11 @@ class _StepRule:
             if velocity is not None:
                 lean.flatten_into(velocity, self.velocity)
 
-    def step(self, step: int, correction: GradCorrection | None) -> None:
+    def step(self, step: int) -> None:
         """Local step ``step`` (from 0) on the gradient the backward pass left."""
-        if correction is not None:  # a function of the views: no graph for it
+        if self.correction is not None:  # a function of the views: no graph for it
             with torch.no_grad():
-                extra = correction(self.lean.views)
+                extra = self.correction(self.lean.views)
             if extra is not None:
                 for k, g in self.grads.items():
                     g.add_(extra[k])
