@@ -312,20 +312,13 @@ def overlay_panels(runs: Sequence[RunData], labels: Sequence[str]) -> list[Panel
         curve = cold_start(run)
         return list(curve), list(curve.values())
 
-    def overlay(
-        key: str,
-        title: str,
-        caption: str,
-        series: Callable[[RunData], tuple[list, list]],
-        **style: Any,
-    ) -> Panel:
-        return _overlay(key, title, caption, runs, labels, series, **style)
-
     def accuracy(key: str, title: str, caption: str, section: str, metric: str) -> Panel:
-        return overlay(
+        return _overlay(
             key,
             title,
             caption,
+            runs,
+            labels,
             per_round(section, metric),
             y_title="accuracy",
             hover=pct,
@@ -354,27 +347,33 @@ def overlay_panels(runs: Sequence[RunData], labels: Sequence[str]) -> list[Panel
             "personalized",
             "accuracy_p10",
         ),
-        overlay(
+        _overlay(
             "loss",
             "Loss",
             "Test loss of the global model (the personalized models' mean for runs without "
             "a global model).",
+            runs,
+            labels,
             loss,
             y_title="loss",
         ),
-        overlay(
+        _overlay(
             "communication",
             "Cumulative communication",
             "Bytes uploaded plus downloaded since the start of the run.",
+            runs,
+            labels,
             lambda run: (run.round_numbers, total_bytes(run)),
             y_title="bytes up + down",
             hover="%{customdata}",
             custom=fmt.human_bytes,
         ),
-        overlay(
+        _overlay(
             "seconds",
             "Seconds per round",
             "Wall-clock time of one round (training and aggregation) at each evaluated round.",
+            runs,
+            labels,
             lambda run: (run.round_numbers, round_seconds(run)),
             y_title="seconds",
             hover="%{y:.3g} s",
@@ -386,11 +385,13 @@ def overlay_panels(runs: Sequence[RunData], labels: Sequence[str]) -> list[Panel
         panels[5].figure.update_yaxes(rangemode="tozero")
     curves = [cold_start(run) for run in runs]
     if any(curves):
-        curve = overlay(
+        curve = _overlay(
             "cold_start",
             "Cold start: new clients vs adaptation steps",
             "Held-out clients (eval.new_clients), served each algorithm's way and fine-tuned "
             "on their own data: mean accuracy after each number of local steps.",
+            runs,
+            labels,
             cold,
             x_title="adaptation steps",
             y_title="accuracy",
