@@ -510,9 +510,9 @@ def chunk_streams(
 
 
 def clients_alive(ends: list[int]) -> list[int]:
-    """How many of the chunk's clients still take a step at each step s (``ends``: each
-    client's steps, in the chunk's order by steps, so the clients alive form a prefix), up to
-    and including the last step ``max(ends)``, where none is."""
+    """``alive_at[s]``: how many of the chunk's clients take at least ``s`` local steps, for s
+    from 0 to max(ends) (``ends``: each client's steps; the chunk's clients come sorted by
+    steps, so those clients are a prefix of the chunk)."""
     alive_at = [0] * (max(ends, default=0) + 1)
     for e in ends:
         alive_at[e] += 1
