@@ -19,7 +19,7 @@ from fedloom.core.protocol import ClientResult
 from fedloom.core.rng import generator
 from fedloom.data import load_dataset
 from fedloom.engine.loop import Engine
-from fedloom.engine.mechanisms import ORDER
+from fedloom.engine.mechanism_builders import ORDER
 from fedloom.models import build_model
 from fedloom.privacy.client_dp import clip_update, update_norm
 from fedloom.robust.aggregation import RobustAggregation
@@ -156,7 +156,13 @@ def test_the_declared_order_and_no_type_switch_in_the_engine():
     )
     assert [m.key for m in engine.mechanisms.all] == ["compression", "secure", "privacy"]
     assert list(ORDER) == ["attack", "compression", "secure", "robust", "privacy"]
-    for name in ("loop.py", "pipeline.py", "mechanisms.py", "asynchrony.py"):
+    for name in (
+        "loop.py",
+        "pipeline.py",
+        "mechanisms.py",
+        "mechanism_builders.py",
+        "asynchrony.py",
+    ):
         tree = ast.parse((ENGINE / name).read_text())
         calls = [
             n
