@@ -19,9 +19,12 @@ from fedloom.core.protocol import ClientResult
 from fedloom.core.rng import generator
 from fedloom.data import load_dataset
 from fedloom.engine.loop import Engine
-from fedloom.engine.mechanisms import ORDER
+from fedloom.engine.mechanism_builders import ORDER
 from fedloom.models import build_model
 from fedloom.privacy.client_dp import clip_update, update_norm
+from fedloom.privacy.distributed_dp import DistributedDP
+from fedloom.rl.aggregate import build_chain
+from fedloom.rl.config import parse_rl_config
 from fedloom.robust.aggregation import RobustAggregation
 
 ENGINE = Path(__file__).resolve().parents[2] / "src" / "fedloom" / "engine"
@@ -156,7 +159,13 @@ def test_the_declared_order_and_no_type_switch_in_the_engine():
     )
     assert [m.key for m in engine.mechanisms.all] == ["compression", "secure", "privacy"]
     assert list(ORDER) == ["attack", "compression", "secure", "robust", "privacy"]
-    for name in ("loop.py", "pipeline.py", "mechanisms.py", "asynchrony.py"):
+    for name in (
+        "loop.py",
+        "pipeline.py",
+        "mechanisms.py",
+        "mechanism_builders.py",
+        "asynchrony.py",
+    ):
         tree = ast.parse((ENGINE / name).read_text())
         calls = [
             n
@@ -164,3 +173,29 @@ def test_the_declared_order_and_no_type_switch_in_the_engine():
             if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance"
         ]
         assert not calls, f"engine/{name} switches on types"
+
+
+def test_one_builder_for_the_engine_and_rl_distributed_dp_over_secure_aggregation():
+    """The engine and RL's server step build their mechanisms with the one builder
+    (engine/mechanism_builders.py); distributed DP noises the secure aggregation built before
+    it, and the attack's poisoned data is what the clients train on."""
+    privacy = {"kind": "distributed_dp", "noise_multiplier": 0.5, "clip": 0.5}
+    engine = engine_for(privacy=privacy, secure_aggregation={"kind": "secagg"})
+    mechanisms = engine.mechanisms
+    assert isinstance(mechanisms.privacy, DistributedDP)
+    assert mechanisms.privacy.secure is mechanisms.secure
+    attacked = engine_for(attack={"kind": "label_flip", "fraction": 0.5}).mechanisms
+    first = attacked.malicious[0]
+    assert not torch.equal(
+        attacked.data.clients[first].y_train, engine.mechanisms.data.clients[first].y_train
+    )
+    rl = parse_rl_config(
+        {
+            "kind": "rl",
+            "data": {"name": "cartpole", "num_clients": 4},
+            "train": {"clients_per_round": 3},
+            "aggregator": {"kind": "median"},
+            "compression": {"kind": "int8"},
+        }
+    )
+    assert [m.key for m in build_chain(rl, 4).all] == ["compression", "robust"]

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from fedloom.algorithms.weights import objective_weight
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, num_bytes
+from fedloom.core.settings import FrozenModel
 from fedloom.errors import ConfigError
 from fedloom.models.base import FedModel
 from fedloom.registry import Registry
@@ -33,10 +33,9 @@ from fedloom.solvers.sequential import run_client
 from fedloom.solvers.stacked_sgd import finetune_stacked, stacked_correction, stacked_sgd_step
 
 
-class AlgorithmConfig(BaseModel):
+class AlgorithmConfig(FrozenModel):
     """Base of every algorithm's hyperparameters; unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     name: str
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from fedloom.core.settings import FrozenModel
 
 
-class Schedule(BaseModel):
+class Schedule(FrozenModel):
     """``{kind: constant | linear | cosine, min: ...}``: how the coefficient decays over rounds."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     kind: Literal["constant", "linear", "cosine"] = "constant"
     min: float = Field(default=0.01, ge=0.0, description="value in the last round (mu_min)")
 

@@ -36,7 +36,7 @@ class Attack(Mechanism):
             else None
         )
 
-    def poisoned(self, data: FederatedData) -> FederatedData:
+    def train_data(self, data: FederatedData) -> FederatedData:
         """The data the clients train on: the malicious clients' poisoned (data attacks)."""
         return poison(data, self.config, self.malicious, self.seed)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,9 @@ from fedloom.core.lean import LeanModule
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import seed_for
 from fedloom.core.stacked import StackedModel, stackable
-from fedloom.models.base import FedModel
+
+if TYPE_CHECKING:
+    from fedloom.models.base import FedModel
 
 
 class FunctionalModel:

@@ -4,23 +4,33 @@ of the round pipeline (docs/architecture.md, "Mechanisms"), in the shape of pfl-
 postprocessors and Flower's strategy wrappers.
 
 The pipeline (engine/pipeline.py) calls every hook of every mechanism of a run, in the run's
-declared order (engine/mechanisms.py, ``ORDER``), and knows none of them by type:
+declared order (engine/mechanism_builders.py, ``ORDER``), and knows none of them by type:
 
     start_round -> broadcast -> on_dispatch -> (clients train) -> on_send -> (screening)
     -> on_upload -> before_aggregate -> aggregate (wrap_sum, wrap_aggregate) -> round_bytes
 
 Each hook's default leaves the round as it is, so a mechanism overrides only the points it
 acts at; ``state_dict``/``load_state_dict`` carry its state through checkpoints and
-``summary`` is its part of summary.json."""
+``summary`` is its part of summary.json.
+
+A run's mechanisms are built by one builder per package (``build(section, facts)`` of
+attacks/, compression/, secure/, robust/, privacy/), called in the declared order by
+engine/mechanism_builders.py; :class:`BuildFacts` is what a builder reads besides its
+section, the mechanisms built before it included."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedloom.core import pytree
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedloom.data.federated import FederatedData
 
 UploadTransform = Callable[[Message, int, int], Message]
 """(upload, client_id, round) -> upload: clipping, noise, masking, poisoning plug in here."""
@@ -46,6 +56,42 @@ class ServerStep:
     server: State
 
 
+@dataclass(frozen=True)
+class BuildFacts:
+    """What the mechanisms' builders read besides their own config section (docs/architecture.md,
+    "Mechanisms"): the run's seed, training clients and rounds, and, where the run family has
+    them, the model, the data the clients train on and the algorithm's traits. ``built`` holds
+    the mechanisms built before, by key (distributed DP noises secure aggregation's sum)."""
+
+    seed: int
+    train_ids: tuple[int, ...]
+    clients_per_round: int | None
+    """As configured (None: every training client)."""
+    rounds: int
+    byzantine_f: int
+    """The Byzantine clients a robust rule tolerates among a round's."""
+    buffers: tuple[str, ...] = ()
+    """The model's buffer names (released without noise, summed apart)."""
+    module: torch.nn.Module | None = None
+    data: FederatedData | None = None
+    """The data the clients train on (after the mechanisms built so far, ``train_data``)."""
+    batch_size: int | None = None
+    pooled_client: int | None = None
+    """The one virtual client's id when the algorithm pools every client's data, else None."""
+    run_steps: Callable[[int, int], int] | None = None
+    """(client, training samples) -> an upper bound on its local steps over the run."""
+    built: Mapping[str, Mechanism] = field(default_factory=dict)
+
+    @property
+    def per_round(self) -> int:
+        """The clients a round (every training client when not configured)."""
+        return self.clients_per_round or len(self.train_ids)
+
+
+Builder = Callable[[Any, BuildFacts], "Mechanism | None"]
+"""(config section, facts) -> the mechanism, or None when the section leaves it off."""
+
+
 class Mechanism:
     """One mechanism of a run. ``key`` names its state in checkpoints (``RunState.mechanisms``)
     and its section in summary.json (module docstring for the hooks' order)."""
@@ -55,6 +101,10 @@ class Mechanism:
     """Its section of summary.json, when not ``key``."""
 
     # -- before training -------------------------------------------------------------------
+    def train_data(self, data: FederatedData) -> FederatedData:
+        """The data the clients train on, given ``data`` (a data attack poisons it)."""
+        return data
+
     def start_round(self, round: int, message: Message) -> None:
         """A round (a dispatch, asynchronously) begins with ``message`` as its clients get it."""
 

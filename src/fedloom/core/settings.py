@@ -29,3 +29,11 @@ tuple as a list, which strict mode would refuse; the items stay strict."""
 
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 """A run's ``seed``: what the random streams (core/rng.py) pack as a signed 64-bit integer."""
+
+
+class FrozenModel(StrictModel):
+    """A config section that never changes once parsed (an algorithm's hyperparameters, a
+    dataset's options, a partition, a search distribution): :class:`StrictModel`'s rules, and
+    frozen (hashable)."""
+
+    model_config = ConfigDict(frozen=True)

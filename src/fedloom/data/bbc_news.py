@@ -19,8 +19,8 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
 
+from fedloom.core.settings import FrozenModel
 from fedloom.data.federated import FederatedData
 from fedloom.data.pool import federate_pool
 from fedloom.data.spec import DATASETS, DataRequest, DatasetSpec
@@ -31,8 +31,7 @@ DEFAULT_MAX_LENGTH = 32
 PARTITIONS = ("iid", "dirichlet", "shards", "quantity")
 
 
-class BBCOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
+class BBCOptions(FrozenModel):
     text: Literal["title", "title_body"] = "title"
 
 

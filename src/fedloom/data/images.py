@@ -10,8 +10,8 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
 
+from fedloom.core.settings import FrozenModel
 from fedloom.data.augment import AugmentSpec
 from fedloom.data.federated import FederatedData
 from fedloom.data.pool import federate_pool
@@ -20,10 +20,8 @@ from fedloom.data.spec import DATASETS, IMAGE_PARTITIONS, DataRequest, DatasetSp
 DEFAULT_CLIENTS = 20
 
 
-class ImageOptions(BaseModel):
+class ImageOptions(FrozenModel):
     """``data.<name>``: the standard preprocessing of a colour-image dataset."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
     normalize: bool = True
     """Subtract the dataset's published per-channel mean and divide by its std (after /255)."""

@@ -24,18 +24,17 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fedloom.core.protocol import ClientData
 from fedloom.core.rng import numpy_rng
+from fedloom.core.settings import StrictModel
 from fedloom.data.federated import FederatedData
 from fedloom.errors import ConfigError
 
 
-class MissingFeatures(BaseModel):
+class MissingFeatures(StrictModel):
     """``data.missing``: which clients lack which input features."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     kind: Literal["columns", "regions"] = "columns"
     fraction: float = Field(default=0.3, gt=0.0, lt=1.0)

@@ -11,18 +11,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
 
+from fedloom.core.settings import FrozenModel
 from fedloom.errors import ConfigError
 from fedloom.registry import Registry
 
 KEY = "data.partition"
 
 
-class Partition(BaseModel):
+class Partition(FrozenModel):
     """Base class: subclasses set ``kind`` (a Literal) and implement :meth:`split`."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
     kind: str
     #: True for label-skew partitions that need classification labels.

@@ -23,9 +23,10 @@ from typing import Any, overload
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from fedloom.core.rng import numpy_rng
+from fedloom.core.settings import FrozenModel
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.natural import add_natural_dataset
 from fedloom.data.pool import num_test
@@ -36,10 +37,9 @@ DEFAULT_CLIENTS = 10
 SCALE_RANGE = (0.25, 4.0)
 
 
-class QuadraticOptions(BaseModel):
+class QuadraticOptions(FrozenModel):
     """``data.quadratic`` options."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     dim: int = Field(5, ge=1)
     samples: int | list[int] = 50
     heterogeneity: float = Field(1.0, ge=0, allow_inf_nan=False)

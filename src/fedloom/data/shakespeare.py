@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from fedloom.core.settings import FrozenModel
 from fedloom.data.download import ensure_files
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.natural import add_natural_dataset, first_users, from_users
@@ -41,10 +42,9 @@ _HEADING = re.compile(r"^[A-Za-z][^:]*:$")
 assert len(ALL_LETTERS) == 80 and len(set(ALL_LETTERS)) == 80
 
 
-class ShakespeareOptions(BaseModel):
+class ShakespeareOptions(FrozenModel):
     """``data.shakespeare`` options: roles with fewer characters are dropped."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     min_chars: int = Field(DEFAULT_MIN_CHARS, ge=SEQ_LEN + 2)
 
 

@@ -6,17 +6,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from fedloom.core.settings import FrozenModel
 from fedloom.data.federated import FederatedData
 from fedloom.data.partition import Partition
 from fedloom.registry import Registry
 
 
-class NoOptions(BaseModel):
+class NoOptions(FrozenModel):
     """Datasets without options: any key under ``data.<name>`` is an error."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
 
 @dataclass(frozen=True)

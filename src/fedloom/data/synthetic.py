@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fedloom.core.rng import numpy_rng
+from fedloom.core.settings import FrozenModel
 from fedloom.data.federated import ClientData, FederatedData
 from fedloom.data.natural import add_natural_dataset, from_users
 from fedloom.data.pool import num_test
@@ -25,10 +26,9 @@ CLASSES = 10
 DEFAULT_CLIENTS = 30
 
 
-class SyntheticOptions(BaseModel):
+class SyntheticOptions(FrozenModel):
     """``data.synthetic`` options."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
     alpha: float = Field(1.0, ge=0, allow_inf_nan=False)
     beta: float = Field(1.0, ge=0, allow_inf_nan=False)
     iid: bool = False

@@ -29,9 +29,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
+from fedloom.core.settings import FrozenModel
 from fedloom.models.base import FedModel
 
 DEFAULT_GROUPS = 2
@@ -42,10 +43,8 @@ BLOCKS_PER_STAGE = 2
 Norm = Literal["batch", "group", "none"]
 
 
-class ResNetOptions(BaseModel):
+class ResNetOptions(FrozenModel):
     """``resnet18``'s options (see the module doc)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
     norm: Norm = "batch"
     width: int = Field(default=64, ge=1)

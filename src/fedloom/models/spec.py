@@ -6,15 +6,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from fedloom.core.settings import FrozenModel
 from fedloom.models.base import FedModel
 
 
-class NoOptions(BaseModel):
+class NoOptions(FrozenModel):
     """Models without options: a key besides ``model.name`` is an error."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ _NOT_SENT = ("keys", "shares")
 """Secure aggregation's drop stages before a client's masked input leaves it."""
 
 
+@runtime_checkable
 class IntegerSum(Protocol):
     """Secure aggregation's integer sum (secure/aggregation.py, SecAgg and SecAgg+): the sum
     modulo 2^32 of the round's clients' uint32 vectors and how many clients it holds."""

@@ -1,8 +1,9 @@
 """The server step of QAvg and PAvg on stacked agent parameters (docs/rl.md): every E
 local updates, theta <- aggregate(theta_1..theta_K), broadcast to every agent.
 
-The step goes through the mechanism protocol (core/mechanism.py) in the engine's declared
-order (engine/mechanisms.py, ``ORDER``), as a horizontal round's server step does: each
+The step goes through the mechanism protocol (core/mechanism.py), its mechanisms built by the
+engine's one builder in its declared order (engine/mechanism_builders.py), as a horizontal
+round's server step does: each
 sampled agent's shared tensors are its upload, encoded and decoded by upload compression
 (``compression.kind``), clipped by client-level DP (``privacy.kind: client_dp``, DP-FedAvg on
 the policy update, McMahan et al., ICLR 2018), and aggregated by FedAvg's weighted mean (the
@@ -18,16 +19,13 @@ from typing import Any
 
 import torch
 
-from fedloom.compression.mechanism import Compression
-from fedloom.core.mechanism import Mechanism, MechanismChain, ServerStep
+from fedloom.core.mechanism import BuildFacts, MechanismChain, ServerStep
 from fedloom.core.protocol import ClientResult
 from fedloom.core.pytree import Tree, weighted_average
-from fedloom.engine.mechanisms import ORDER
+from fedloom.engine.mechanism_builders import build_mechanisms
 from fedloom.errors import RoundAborted
 from fedloom.privacy import ClientLevelDP
 from fedloom.rl.config import RLRunConfig
-from fedloom.robust import rules
-from fedloom.robust.aggregation import RobustAggregation
 
 
 def unstack(stacked: Tree, keys: Sequence[str]) -> list[Tree]:
@@ -43,30 +41,17 @@ def broadcast(global_tree: Tree, stacked: Tree) -> None:
             stacked[k].copy_(v.unsqueeze(0).expand_as(stacked[k]))
 
 
-def build_mechanisms(cfg: RLRunConfig, agents: int) -> list[Mechanism]:
-    """The run's server-side mechanisms in ``ORDER`` (the config's rules, rl/config.py, leave
-    only combinations that compose)."""
-    per_round = cfg.train.clients_per_round or agents
-    aggregator = cfg.aggregator
-    built: dict[str, Mechanism | None] = {"attack": None, "secure": None}
-    built["compression"] = (
-        Compression(cfg.compression, cfg.seed) if cfg.compression.kind != "none" else None
+def build_chain(cfg: RLRunConfig, agents: int) -> MechanismChain:
+    """The run's server-side mechanisms in ``ORDER``, from the engine's builder (the config's
+    rules, rl/rules.py, leave only combinations that compose)."""
+    facts = BuildFacts(
+        seed=cfg.seed,
+        train_ids=tuple(range(agents)),
+        clients_per_round=cfg.train.clients_per_round,
+        rounds=cfg.train.rounds,
+        byzantine_f=cfg.byzantine_f,
     )
-    robust = None
-    if aggregator.kind != "mean":
-        f = aggregator.f if aggregator.f is not None else 1
-        if aggregator.kind in ("krum", "multi_krum"):  # the same number of agents takes part
-            rules.check_krum(per_round, f, aggregator.kind)  # every round: checked once, here
-        elif aggregator.kind == "bulyan":
-            rules.check_bulyan(per_round, f)
-        robust = RobustAggregation(aggregator, cfg.seed, f)
-    built["robust"] = robust
-    built["privacy"] = (
-        ClientLevelDP(cfg.privacy, cfg.seed, agents, per_round, cfg.train.rounds)
-        if cfg.privacy.kind == "client_dp"
-        else None
-    )
-    return [m for m in (built[key] for key in ORDER) if m is not None]
+    return MechanismChain(list(build_mechanisms(cfg, facts).built.values()))
 
 
 class PolicyAggregator:
@@ -75,7 +60,7 @@ class PolicyAggregator:
 
     def __init__(self, cfg: RLRunConfig, weights: Sequence[float]) -> None:
         self.weights = list(weights)
-        self.mechanisms = MechanismChain(build_mechanisms(cfg, len(self.weights)))
+        self.mechanisms = build_chain(cfg, len(self.weights))
         self.rule = self.mechanisms.aggregator(weighted_average)
 
     def __call__(

@@ -34,6 +34,8 @@ from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, unknown_name_message
 from fedloom.privacy.config import PrivacyConfig
 from fedloom.robust.config import AggregatorConfig
+from fedloom.robust.rules import byzantine_error
+from fedloom.run_config.rules import Check, Rule, check_rules, equals, used
 from fedloom.run_config.train import CheckpointConfig
 
 RL_ENVS = ("cartpole", "acrobot")
@@ -302,82 +304,9 @@ class RLRunConfig(StrictModel):
     """Upload compression of the agents' policy updates (docs/rl.md, Mechanisms)."""
 
     @model_validator(mode="after")
-    def _mechanisms(self) -> RLRunConfig:
-        """The server-side mechanisms act on the averaged policy: only averaging algorithms
-        have one; client-level DP and compression compose as in horizontal runs."""
-        on = [
-            f"{key}: {value}"
-            for key, value, off in (
-                ("aggregator.kind", self.aggregator.kind, "mean"),
-                ("privacy.kind", self.privacy.kind, "none"),
-                ("compression.kind", self.compression.kind, "none"),
-            )
-            if value != off
-        ]
-        if on and not self.averages:
-            raise ValueError(
-                f"{', '.join(on)}: {self.algorithm.name} does not aggregate (use "
-                f"{', '.join(AVERAGING)})"
-            )
-        if self.privacy.kind == "distributed_dp":
-            raise ValueError(
-                "privacy.kind distributed_dp needs secure aggregation, which RL runs do not "
-                "have; use client_dp"
-            )
-        if self.privacy.kind == "sample_dp":
-            raise ValueError(
-                "privacy.kind sample_dp: the agents' local steps are not DP-SGD steps; use "
-                "client_dp, DP on each agent's policy update"
-            )
-        if self.privacy.kind == "client_dp" and self.privacy.sampling != "fixed":
-            raise ValueError(
-                "privacy.sampling: RL rounds aggregate exactly train.clients_per_round agents; "
-                "set sampling: fixed"
-            )
-        others = [x for x in on if not x.startswith("privacy")]
-        if self.privacy.kind == "client_dp" and others:
-            raise ValueError(
-                f"privacy.kind client_dp does not combine with {', '.join(others)}: a robust "
-                "rule needs each update in the clear, compression changes the clipped updates"
-            )
-        if self.compression.download != "none":
-            raise ValueError(
-                "compression.download: the agents' broadcast is not compressed in RL runs"
-            )
-        if self.aggregator.kind == "feature_aware":
-            raise ValueError(
-                "aggregator.kind feature_aware averages the input columns of clients with "
-                "missing features (docs/security.md); RL agents observe every feature: use "
-                "mean or a robust rule"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _check(self) -> RLRunConfig:
-        algo = self.algorithm
-        if isinstance(algo, VerticalDQNConfig):
-            if self.data.name != "cartpole":
-                raise ValueError("algorithm vertical_dqn: data.name must be cartpole")
-            if max(algo.party_a + algo.party_b) >= 4:
-                raise ValueError("algorithm.party_a/party_b: CartPole has features 0..3")
-        if self.data.name == "acrobot" and self.learner != "reinforce":
-            raise ValueError(
-                f"data.name acrobot (Gymnasium's vector API): algorithm {algo.name} "
-                "needs the batched CartPole; use pavg, pavg_embedding or local"
-            )
-        per_round = self.train.clients_per_round
-        if per_round is not None and (not self.averages or per_round > self.data.num_clients):
-            raise ValueError(
-                f"train.clients_per_round {per_round}: needs an averaging algorithm "
-                f"({', '.join(AVERAGING)}) and at most data.num_clients ({self.data.num_clients})"
-            )
-        if isinstance(algo, PPOKeys):
-            batch = algo.num_steps * self.data.envs_per_client
-            if batch % algo.num_minibatches:
-                raise ValueError(
-                    f"algorithm.num_minibatches {algo.num_minibatches} must divide the rollout "
-                    f"of algorithm.num_steps x data.envs_per_client = {batch} transitions"
-                )
+    def _cross_section_rules(self) -> RLRunConfig:
+        """The rules between sections (``RL_RULES``), here and nowhere else."""
+        check_rules(self, RL_RULES)
         return self
 
     @property
@@ -389,6 +318,16 @@ class RLRunConfig(StrictModel):
         if self.algorithm.name in PPO:
             return "ppo"
         return "reinforce" if self.algorithm.name in ("pavg", "pavg_embedding", "local") else "dqn"
+
+    @property
+    def byzantine_f(self) -> int:
+        """The Byzantine agents a robust rule tolerates: aggregator.f, else 1."""
+        return self.aggregator.f if self.aggregator.f is not None else 1
+
+    @property
+    def per_round(self) -> int:
+        """The agents a round: train.clients_per_round, else every agent."""
+        return self.train.clients_per_round or self.data.num_clients
 
     @property
     def lr(self) -> float:
@@ -405,6 +344,109 @@ class RLRunConfig(StrictModel):
 
     def to_yaml(self) -> str:
         return dump_yaml_text(self.to_dict(), sort_keys=False)
+
+
+def _ppo_batch(config: RLRunConfig) -> int:
+    """PPO's rollout: algorithm.num_steps x data.envs_per_client transitions."""
+    assert isinstance(config.algorithm, PPOKeys)
+    return config.algorithm.num_steps * config.data.envs_per_client
+
+
+def _byzantine_error(config: RLRunConfig) -> str | None:
+    return byzantine_error(config.aggregator.kind, config.per_round, config.byzantine_f)
+
+
+_CLIENT_DP = equals("privacy.kind", "client_dp")
+_ROBUST = used("aggregator.kind", "mean")
+_COMPRESSION = used("compression.kind")
+_VERTICAL_DQN = equals("algorithm.name", "vertical_dqn")
+
+RL_RULES: tuple[Rule, ...] = (
+    # the server-side mechanisms act on the averaged policy: only averaging algorithms have one
+    Rule(
+        when=Check(lambda c: not c.averages),
+        excludes=(_ROBUST, used("privacy.kind"), _COMPRESSION),
+        message="{clash}: {algorithm.name} does not aggregate (use " + ", ".join(AVERAGING) + ")",
+    ),
+    # client-level DP and compression compose as in horizontal runs (fedloom/config.py)
+    Rule(
+        when=(),
+        excludes=equals("privacy.kind", "distributed_dp"),
+        message="privacy.kind distributed_dp needs secure aggregation, which RL runs do not "
+        "have; use client_dp",
+    ),
+    Rule(
+        when=(),
+        excludes=equals("privacy.kind", "sample_dp"),
+        message="privacy.kind sample_dp: the agents' local steps are not DP-SGD steps; use "
+        "client_dp, DP on each agent's policy update",
+    ),
+    Rule(
+        when=_CLIENT_DP,
+        requires=equals("privacy.sampling", "fixed"),
+        message="privacy.sampling: RL rounds aggregate exactly train.clients_per_round agents; "
+        "set sampling: fixed",
+    ),
+    Rule(
+        when=_CLIENT_DP,
+        excludes=(_ROBUST, _COMPRESSION),
+        message="privacy.kind client_dp does not combine with {clash}: a robust rule needs each "
+        "update in the clear, compression changes the clipped updates",
+    ),
+    Rule(
+        when=(),
+        excludes=used("compression.download"),
+        message="compression.download: the agents' broadcast is not compressed in RL runs",
+    ),
+    Rule(
+        when=(),
+        excludes=equals("aggregator.kind", "feature_aware"),
+        message="aggregator.kind feature_aware averages the input columns of clients with "
+        "missing features (docs/security.md); RL agents observe every feature: use mean or a "
+        "robust rule",
+    ),
+    # the algorithm's own needs
+    Rule(
+        when=_VERTICAL_DQN,
+        requires=equals("data.name", "cartpole"),
+        message="algorithm vertical_dqn: data.name must be cartpole",
+    ),
+    Rule(
+        when=_VERTICAL_DQN,
+        requires=Check(lambda c: max(c.algorithm.party_a + c.algorithm.party_b) < 4),
+        message="algorithm.party_a/party_b: CartPole has features 0..3",
+    ),
+    Rule(
+        when=equals("data.name", "acrobot"),
+        requires=Check(lambda c: c.learner == "reinforce"),
+        message="data.name acrobot (Gymnasium's vector API): algorithm {algorithm.name} needs "
+        "the batched CartPole; use pavg, pavg_embedding or local",
+    ),
+    Rule(
+        when=used("train.clients_per_round", None),
+        requires=Check(lambda c: c.averages and c.per_round <= c.data.num_clients),
+        message="train.clients_per_round {train.clients_per_round}: needs an averaging "
+        "algorithm (" + ", ".join(AVERAGING) + ") and at most data.num_clients "
+        "({data.num_clients})",
+    ),
+    Rule(
+        when=equals("algorithm.name", *PPO),
+        requires=Check(lambda c: _ppo_batch(c) % c.algorithm.num_minibatches == 0),
+        message=lambda c: (
+            f"algorithm.num_minibatches {c.algorithm.num_minibatches} must "
+            f"divide the rollout of algorithm.num_steps x data.envs_per_client = {_ppo_batch(c)} "
+            "transitions"
+        ),
+    ),
+    # Krum and Bulyan need enough agents a round (the same number take part every round)
+    Rule(
+        when=equals("aggregator.kind", "krum", "multi_krum", "bulyan"),
+        requires=Check(lambda c: _byzantine_error(c) is None),
+        message=lambda c: str(_byzantine_error(c)),
+    ),
+)
+"""Every rule between the sections of an RL run, in the order they are checked
+(run_config/rules.py says how a rule reads)."""
 
 
 def is_rl_config(raw: Any) -> bool:

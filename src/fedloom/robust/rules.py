@@ -39,19 +39,34 @@ def trimmed_mean(x: torch.Tensor, beta: float) -> torch.Tensor:
     return x.sort(dim=0).values[k : n - k].mean(dim=0)
 
 
-def check_krum(n: int, f: int, rule: str = "krum") -> None:
-    """Krum's precondition n > 2f + 2 (Blanchard et al., Proposition 1)."""
-    if n <= 2 * f + 2:
-        raise ConfigError(
+def byzantine_error(rule: str, n: int, f: int) -> str | None:
+    """Why ``n`` clients a round are too few for ``rule`` (krum, multi_krum, bulyan) to
+    tolerate ``f``: Krum's precondition n > 2f + 2 (Blanchard et al., Proposition 1), Bulyan's
+    n >= 4f + 3 (El Mhamdi et al., section 4); None when they suffice."""
+    if rule == "bulyan" and n < 4 * f + 3:
+        return (
+            f"aggregator.kind bulyan with f={f} needs at least {4 * f + 3} clients "
+            f"a round (n >= 4f + 3), got {n}"
+        )
+    if rule != "bulyan" and n <= 2 * f + 2:
+        return (
             f"aggregator.kind {rule} with f={f} needs more than {2 * f + 2} clients "
             f"a round (n > 2f + 2), got {n}"
         )
+    return None
+
+
+def check_byzantine(rule: str, n: int, f: int) -> None:
+    """ConfigError when ``n`` clients are too few for ``rule`` (``byzantine_error``)."""
+    message = byzantine_error(rule, n, f)
+    if message is not None:
+        raise ConfigError(message)
 
 
 def krum_scores(x: torch.Tensor, f: int) -> torch.Tensor:
     """score_i = sum of the squared distances from row i to its n - f - 2 nearest other rows."""
     n = x.shape[0]
-    check_krum(n, f)
+    check_byzantine("krum", n, f)
     sq = (x * x).sum(dim=1)
     dist = (sq[:, None] + sq[None, :] - 2 * x @ x.T).clamp_min(0)
     dist.fill_diagonal_(float("inf"))
@@ -76,20 +91,11 @@ def multi_krum(x: torch.Tensor, f: int, m: int | None = None) -> torch.Tensor:
     return x[chosen].mean(dim=0)
 
 
-def check_bulyan(n: int, f: int) -> None:
-    """Bulyan's precondition n >= 4f + 3 (El Mhamdi et al., section 4)."""
-    if n < 4 * f + 3:
-        raise ConfigError(
-            f"aggregator.kind bulyan with f={f} needs at least {4 * f + 3} clients "
-            f"a round (n >= 4f + 3), got {n}"
-        )
-
-
 def bulyan(x: torch.Tensor, f: int) -> torch.Tensor:
     """Bulyan over Krum: select theta = n - 2f rows by repeated Krum (each pick removed), then
     per coordinate average the beta = theta - 2f selected values closest to their median."""
     n = x.shape[0]
-    check_bulyan(n, f)
+    check_byzantine("bulyan", n, f)
     remaining = list(range(n))
     selected: list[int] = []
     for _ in range(n - 2 * f):

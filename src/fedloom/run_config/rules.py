@@ -6,8 +6,10 @@ message. Conditions are a key's value (:class:`Setting`, made with :func:`equals
 :func:`used`), traits of the configured algorithm's class (:class:`Algorithm`), any of several
 conditions (:class:`AnyOf`), or another predicate on the parsed config (:class:`Check`).
 
-The table of rules (``RULES``) lives beside ``RunConfig`` in ``fedloom/config.py``, whose one
-validator hands it to :func:`check_rules`. Each section checks its own keys itself.
+Each run family has one table of rules beside its top config, whose one validator hands it to
+:func:`check_rules`: ``RULES`` beside ``RunConfig`` (``fedloom/config.py``), ``RL_RULES``
+(``rl/config.py``), ``VERTICAL_RULES`` (``vertical/config.py``). Each section checks its own
+keys itself.
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 import optuna
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationError, model_validator
+from pydantic import Discriminator, Field, ValidationError, model_validator
 
 from fedloom.config import apply_overrides, load_yaml, parse_config
+from fedloom.core.settings import FrozenModel, StrictModel
 from fedloom.core.validation import format_validation_error
 from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, clipped
@@ -29,8 +30,8 @@ from fedloom.errors import ConfigError, clipped
 Scalar = bool | int | float | str | None
 
 
-class _Dist(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, frozen=True)
+class _Dist(FrozenModel):
+    """One search distribution of a space (docs/tune.md)."""
 
 
 class _RangeDist(_Dist):
@@ -105,7 +106,7 @@ class CategoricalDist(_Dist):
 Distribution = Annotated[FloatDist | IntDist | CategoricalDist, Discriminator("kind")]
 
 
-class _Space(BaseModel):
+class _Space(StrictModel):
     params: dict[str, Distribution]
 
 

@@ -26,23 +26,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedloom.config import load_yaml
-from fedloom.core.settings import Seed
+from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, format_validation_error
 from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, unknown_name_message
+from fedloom.run_config.rules import Check, Rule, check_rules, equals, used
 from fedloom.run_config.train import CheckpointConfig
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", allow_inf_nan=False, strict=True, validate_assignment=True
-    )
-
-
-class VerticalPartition(_Strict):
+class VerticalPartition(StrictModel):
     kind: Literal["vertical"] = "vertical"
     parties: list[list[int]] = Field(min_length=2)
     """Column ranges [start, end) per party; party 0 (the guest) holds the labels."""
@@ -54,7 +49,7 @@ class VerticalPartition(_Strict):
     """ftl only: [c0, c1] inside the overlap: the overlap rows whose label enters L_1."""
 
 
-class VerticalDataConfig(_Strict):
+class VerticalDataConfig(StrictModel):
     name: Literal["breast_cancer", "diabetes", "wine", "digits"] = "breast_cancer"
     """breast_cancer (binary), diabetes (regression), wine and digits (multi-class)."""
     root: str | None = None
@@ -71,7 +66,7 @@ class VerticalDataConfig(_Strict):
     example of docs/vertical.md)."""
 
 
-class _Algorithm(_Strict):
+class _Algorithm(StrictModel):
     name: str
 
 
@@ -141,7 +136,7 @@ ALGORITHM_CONFIGS: dict[str, type[_Algorithm]] = {
 VERTICAL_ALGORITHMS = tuple(ALGORITHM_CONFIGS)
 
 
-class VerticalSecureConfig(_Strict):
+class VerticalSecureConfig(StrictModel):
     kind: Literal["none", "paillier", "secret_sharing"] = "none"
     key_bits: int = Field(default=2048, ge=512)
     """Paillier modulus bits (1024 for tests only, 2048 about 112-bit security)."""
@@ -156,12 +151,12 @@ class VerticalSecureConfig(_Strict):
         return v
 
 
-class VerticalEvalConfig(_Strict):
+class VerticalEvalConfig(StrictModel):
     every: int = Field(default=1, ge=1)
     """Evaluate on the test rows every this many iterations (trees); always at the end."""
 
 
-class VerticalRunConfig(_Strict):
+class VerticalRunConfig(StrictModel):
     kind: Literal["vertical"] = "vertical"
     """The run family (docs/vertical.md, "The kind key"); optional here, inferred once by
     ``fedloom.config.run_kind`` when absent."""
@@ -181,54 +176,9 @@ class VerticalRunConfig(_Strict):
         return parse_algorithm(value)
 
     @model_validator(mode="after")
-    def _consistent(self) -> VerticalRunConfig:
-        algo, kind = self.algorithm, self.secure_aggregation.kind
-        part = self.data.partition
-        if kind == "secret_sharing" and not (
-            isinstance(algo, FTLConfig) and algo.protocol == "secret_sharing"
-        ):
-            raise ValueError(
-                "secure_aggregation.kind secret_sharing is FTL's protocol: use algorithm "
-                "{name: ftl, protocol: secret_sharing}, or kind paillier / none"
-            )
-        if isinstance(algo, FTLConfig):
-            if algo.protocol == "secret_sharing" and kind == "paillier":
-                raise ValueError(
-                    "ftl with protocol secret_sharing uses no Paillier key: set "
-                    "secure_aggregation.kind to secret_sharing (or none for the plaintext path)"
-                )
-            if algo.protocol == "ahe" and kind == "secret_sharing":
-                raise ValueError("ftl protocol ahe needs secure_aggregation.kind paillier or none")
-            if len(part.parties) != 2:
-                raise ValueError("ftl takes exactly two parties (source A, target B)")
-            if self.data.name != "breast_cancer":
-                raise ValueError("ftl needs binary labels: data.name breast_cancer")
-        else:
-            if part.rows is not None or part.labelled_rows is not None:
-                raise ValueError("data.partition.rows and labelled_rows apply to ftl only")
-            if self.data.scale_on != "train":
-                raise ValueError("data.scale_on applies to ftl only")
-        if isinstance(algo, VerticalLinearConfig):
-            if algo.protocol == "two_party" and len(part.parties) != 2:
-                raise ValueError(
-                    f"{algo.name} protocol two_party takes exactly two parties (guest, host); "
-                    "more hosts need protocol three_party (a coordinator holds the key)"
-                )
-            if self.data.name in ("wine", "digits"):
-                raise ValueError(
-                    f"{algo.name} needs a binary or regression target, not "
-                    f"{self.data.name}'s classes: use algorithm secureboost"
-                )
-        if isinstance(algo, VerticalLogisticConfig) and self.data.name != "breast_cancer":
-            raise ValueError("vertical_logistic needs binary labels: data.name breast_cancer")
-        if self.data.missing_fraction and not isinstance(algo, SecureBoostConfig):
-            raise ValueError("data.missing_fraction applies to secureboost only")
-        if (
-            isinstance(algo, SecureBoostConfig)
-            and algo.num_class is not None
-            and (algo.objective not in (None, "multi:softprob"))
-        ):
-            raise ValueError("algorithm.num_class applies to objective multi:softprob only")
+    def _cross_section_rules(self) -> VerticalRunConfig:
+        """The rules between sections (``VERTICAL_RULES``), here and nowhere else."""
+        check_rules(self, VERTICAL_RULES)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -236,6 +186,88 @@ class VerticalRunConfig(_Strict):
 
     def to_yaml(self) -> str:
         return dump_yaml_text(self.to_dict(), sort_keys=False)
+
+
+_FTL = equals("algorithm.name", "ftl")
+_LINEAR = equals("algorithm.name", "vertical_linear", "vertical_logistic")
+_TWO_PARTIES = Check(lambda c: len(c.data.partition.parties) == 2)
+
+VERTICAL_RULES: tuple[Rule, ...] = (
+    # the secure computation: FTL's secret sharing, or Paillier (docs/vertical.md)
+    Rule(
+        when=equals("secure_aggregation.kind", "secret_sharing"),
+        requires=Check(
+            lambda c: (
+                isinstance(c.algorithm, FTLConfig) and c.algorithm.protocol == "secret_sharing"
+            )
+        ),
+        message="secure_aggregation.kind secret_sharing is FTL's protocol: use algorithm "
+        "{{name: ftl, protocol: secret_sharing}}, or kind paillier / none",
+    ),
+    Rule(
+        when=(_FTL, equals("algorithm.protocol", "secret_sharing")),
+        excludes=equals("secure_aggregation.kind", "paillier"),
+        message="ftl with protocol secret_sharing uses no Paillier key: set "
+        "secure_aggregation.kind to secret_sharing (or none for the plaintext path)",
+    ),
+    Rule(
+        when=(_FTL, equals("algorithm.protocol", "ahe")),
+        excludes=equals("secure_aggregation.kind", "secret_sharing"),
+        message="ftl protocol ahe needs secure_aggregation.kind paillier or none",
+    ),
+    # FTL's parties and rows
+    Rule(
+        when=_FTL,
+        requires=_TWO_PARTIES,
+        message="ftl takes exactly two parties (source A, target B)",
+    ),
+    Rule(
+        when=_FTL,
+        requires=equals("data.name", "breast_cancer"),
+        message="ftl needs binary labels: data.name breast_cancer",
+    ),
+    Rule(
+        when=used("algorithm.name", "ftl"),
+        excludes=(used("data.partition.rows", None), used("data.partition.labelled_rows", None)),
+        message="data.partition.rows and labelled_rows apply to ftl only",
+    ),
+    Rule(
+        when=used("algorithm.name", "ftl"),
+        excludes=used("data.scale_on", "train"),
+        message="data.scale_on applies to ftl only",
+    ),
+    # the linear models' parties and targets
+    Rule(
+        when=(_LINEAR, equals("algorithm.protocol", "two_party")),
+        requires=_TWO_PARTIES,
+        message="{algorithm.name} protocol two_party takes exactly two parties (guest, host); "
+        "more hosts need protocol three_party (a coordinator holds the key)",
+    ),
+    Rule(
+        when=_LINEAR,
+        excludes=equals("data.name", "wine", "digits"),
+        message="{algorithm.name} needs a binary or regression target, not {data.name}'s "
+        "classes: use algorithm secureboost",
+    ),
+    Rule(
+        when=equals("algorithm.name", "vertical_logistic"),
+        requires=equals("data.name", "breast_cancer"),
+        message="vertical_logistic needs binary labels: data.name breast_cancer",
+    ),
+    # SecureBoost's keys
+    Rule(
+        when=used("data.missing_fraction", 0.0),
+        requires=equals("algorithm.name", "secureboost"),
+        message="data.missing_fraction applies to secureboost only",
+    ),
+    Rule(
+        when=(equals("algorithm.name", "secureboost"), used("algorithm.num_class", None)),
+        requires=equals("algorithm.objective", None, "multi:softprob"),
+        message="algorithm.num_class applies to objective multi:softprob only",
+    ),
+)
+"""Every rule between the sections of a vertical run, in the order they are checked
+(run_config/rules.py says how a rule reads)."""
 
 
 def parse_algorithm(value: Any) -> _Algorithm:
