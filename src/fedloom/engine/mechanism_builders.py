@@ -10,7 +10,7 @@ it (``on_upload``); secure aggregation's masked sum is what DP noises (``wrap_su
 ``wrap_aggregate`` outermost; distributed DP is built over the secure aggregation built before
 it, ``BuildFacts.built``); a robust rule replaces the mean of the uploads as compression's
 server decoded them (``on_send`` comes before any server step). The config's rules
-(run_config/rules.py, rl/config.py ``RL_RULES``) exclude the pairs that do not compose."""
+(config.py ``RULES``, rl/config.py ``RL_RULES``) exclude the pairs that do not compose."""
 
 from __future__ import annotations
 
