@@ -75,7 +75,9 @@ INLINE: dict[str, dict[str, Any]] = {
 def strip(value: Any) -> Any:
     """``value`` without wall-clock keys, tensors as tensors."""
     if isinstance(value, dict):
-        return {k: strip(v) for k, v in value.items() if k not in TIMING}
+        return {
+            k: strip(v) for k, v in value.items() if k not in TIMING and not k.startswith("seconds")
+        }
     if isinstance(value, list):
         return [strip(v) for v in value]
     return value
