@@ -72,12 +72,15 @@ INLINE: dict[str, dict[str, Any]] = {
 }
 
 
+def is_timing(key: object) -> bool:
+    """Whether a summary or metrics key holds wall-clock time."""
+    return key in TIMING or str(key).startswith("seconds")
+
+
 def strip(value: Any) -> Any:
     """``value`` without wall-clock keys, tensors as tensors."""
     if isinstance(value, dict):
-        return {
-            k: strip(v) for k, v in value.items() if k not in TIMING and not k.startswith("seconds")
-        }
+        return {k: strip(v) for k, v in value.items() if not is_timing(k)}
     if isinstance(value, list):
         return [strip(v) for v in value]
     return value
