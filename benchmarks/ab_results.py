@@ -74,7 +74,7 @@ INLINE: dict[str, dict[str, Any]] = {
 
 def is_timing(key: object) -> bool:
     """Whether a summary or metrics key holds wall-clock time."""
-    return key in TIMING or str(key).startswith("seconds")
+    return key in TIMING or str(key).startswith("seconds") or str(key).endswith("per_second")
 
 
 def strip(value: Any) -> Any:
