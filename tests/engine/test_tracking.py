@@ -8,6 +8,7 @@ import pytest
 import fedloom
 from fedloom.engine.tracking import scalars
 from fedloom.errors import ConfigError
+from tests.resume import Crash, CrashAt
 
 
 def config(**tracking) -> dict:
@@ -98,13 +99,8 @@ def test_a_failed_run_ends_its_mlflow_run_as_failed(tmp_path, monkeypatch):
     data = load_dataset(cfg.data, cfg.seed)
     module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
 
-    def crash(upload, client_id, round):
-        if round == 2:
-            raise RuntimeError("killed")
-        return upload
-
-    with pytest.raises(RuntimeError, match="killed"):
-        Engine(cfg, data, module, upload_transforms=[crash]).run()
+    with pytest.raises(Crash, match="killed"):
+        Engine(cfg, data, module, callbacks=[CrashAt(2)]).run()
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("failing").experiment_id])
     assert run.info.status == "FAILED"

@@ -22,9 +22,6 @@ from typing import Any, ClassVar
 from fedloom.core import pytree
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 
-UploadTransform = Callable[[Message, int, int], Message]
-"""(upload, client_id, round) -> upload: clipping, noise, masking, poisoning plug in here."""
-
 Aggregator = Callable[[list[pytree.Tree], list[float]], pytree.Tree]
 """(trees, weights) -> tree: the server's aggregation rule (robust rules plug in here)."""
 

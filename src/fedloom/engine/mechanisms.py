@@ -23,7 +23,7 @@ from fedloom.algorithms import ALGORITHMS
 from fedloom.attacks.mechanism import Attack
 from fedloom.compression.mechanism import Compression
 from fedloom.config import RunConfig
-from fedloom.core.mechanism import Aggregator, Mechanism, MechanismChain, UploadTransform
+from fedloom.core.mechanism import Aggregator, Mechanism, MechanismChain
 from fedloom.data.federated import FederatedData
 from fedloom.data.missing import observed
 from fedloom.engine.sampling import POOLED_CLIENT
@@ -38,7 +38,7 @@ ORDER = ("attack", "compression", "secure", "robust", "privacy")
 """The built-in mechanisms' keys in the order every hook runs; a caller's (contribution and
 incentives) come after them."""
 
-__all__ = ["ORDER", "Aggregator", "Mechanisms", "UploadTransform"]
+__all__ = ["ORDER", "Aggregator", "Mechanisms"]
 
 
 class Mechanisms(MechanismChain):

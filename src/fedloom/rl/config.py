@@ -34,6 +34,7 @@ from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, unknown_name_message
 from fedloom.privacy.config import PrivacyConfig
 from fedloom.robust.config import AggregatorConfig
+from fedloom.run_config.monitor import TrackingConfig
 from fedloom.run_config.train import CheckpointConfig
 
 RL_ENVS = ("cartpole", "acrobot")
@@ -295,6 +296,7 @@ class RLRunConfig(StrictModel):
     train: RLTrainConfig = RLTrainConfig()
     eval: RLEvalConfig = RLEvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
     aggregator: AggregatorConfig = AggregatorConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     """client_dp: DP-FedAvg on the policy update (docs/rl.md, Mechanisms)."""
