@@ -20,9 +20,8 @@ from fedloom.core.functional import FunctionalModel
 from fedloom.data import FederatedData
 from fedloom.engine.callbacks import Callback
 from fedloom.engine.executor import Executor
-from fedloom.engine.loop import RunResult
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.shell import RunFamily, RunInputs, run_family
+from fedloom.engine.shell import RunFamily, RunInputs, RunResult, run_family
 from fedloom.errors import ConfigError
 
 

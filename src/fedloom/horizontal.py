@@ -16,9 +16,9 @@ from fedloom.data.checks import check_data
 from fedloom.data.partition_file import FILE_NAME as PARTITION_FILE
 from fedloom.data.partition_file import write_partition_file
 from fedloom.engine.build import check_model_fits
-from fedloom.engine.loop import Engine, RunResult, horizontal_timing
+from fedloom.engine.loop import Engine, horizontal_timing
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.shell import RunInputs, RunShell, Timing
+from fedloom.engine.shell import RunInputs, RunResult, RunShell, Timing
 from fedloom.errors import ConfigError, clipped
 from fedloom.models import MODELS
 from fedloom.peft import build_run_model

@@ -9,10 +9,7 @@ import gc
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from fedloom.config import RunConfig
 from fedloom.core.files import one_line
@@ -25,7 +22,7 @@ from fedloom.engine.context import Callback, RunContext, merge
 from fedloom.engine.executor import Executor
 from fedloom.engine.nonfinite import warn_all_dropped
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.shell import RunShell, Timing, base_summary
+from fedloom.engine.shell import RunResult, RunShell, Timing, base_summary
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
@@ -34,16 +31,6 @@ from fedloom.errors import RunDirError
 from fedloom.models.base import FedModel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunResult:
-    summary: dict[str, Any]
-    history: list[dict[str, Any]]
-    global_params: dict[str, torch.Tensor] | None
-    client_params: dict[int, dict[str, torch.Tensor]]
-    run_dir: RunDir | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine(EngineParts):

@@ -20,7 +20,9 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
+
+import torch
 
 from fedloom.engine.checkpoint import Check
 from fedloom.engine.checkpoint_fit import shell_fit
@@ -29,8 +31,17 @@ from fedloom.engine.rundir import RunDir, default_run_dir, differing_keys, relea
 from fedloom.engine.tracking import Tracker, make_trackers
 from fedloom.errors import ConfigError, RunDirError
 
-if TYPE_CHECKING:
-    from fedloom.engine.loop import RunResult
+
+@dataclass
+class RunResult:
+    """What ``fedloom.run`` returns, for every run family (README.md, "Python API")."""
+
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+    global_params: dict[str, torch.Tensor] | None
+    client_params: dict[int, dict[str, torch.Tensor]]
+    run_dir: RunDir | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class CheckpointPolicy(Protocol):

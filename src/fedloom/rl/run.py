@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedloom.engine.loop import RunResult
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.shell import (
     RunInputs,
+    RunResult,
     RunShell,
     Timing,
     base_summary,

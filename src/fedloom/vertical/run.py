@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 import numpy as np
 from pydantic import BaseModel
 
-from fedloom.engine.loop import RunResult
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.shell import (
     RunInputs,
+    RunResult,
     RunShell,
     Timing,
     base_summary,
