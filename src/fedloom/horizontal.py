@@ -72,7 +72,7 @@ class HorizontalFamily:
     def timing(self, cfg: RunConfig) -> Timing:
         return horizontal_timing(cfg)
 
-    def runner(self, cfg: RunConfig, inputs: RunInputs, run_dir: RunDir | None) -> HorizontalRunner:
+    def runner(self, cfg: RunConfig, inputs: RunInputs) -> HorizontalRunner:
         return HorizontalRunner(cfg, inputs)
 
 

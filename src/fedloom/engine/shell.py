@@ -113,7 +113,7 @@ class RunFamily(Protocol):
 
     def timing(self, cfg: Any) -> Timing: ...
 
-    def runner(self, cfg: Any, inputs: RunInputs, run_dir: RunDir | None) -> RoundRunner:
+    def runner(self, cfg: Any, inputs: RunInputs) -> RoundRunner:
         """The run built (and validated) before a new run's directory is created."""
         ...
 
@@ -246,7 +246,7 @@ def run_family(
         if out is not None and write:
             RunDir.check_new(out)  # before any data is loaded (created and locked below)
         cfg, run_dir = family.parse(config, inputs), None
-    runner = family.runner(cfg, inputs, run_dir)  # validates before a directory is made
+    runner = family.runner(cfg, inputs)  # validates before a directory is made
     resuming = run_dir is not None
     shell = RunShell(run_dir, cfg, family.timing(cfg), runner.name, inputs.progress, resuming)
     if run_dir is None and write:

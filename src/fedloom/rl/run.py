@@ -78,7 +78,7 @@ class RLFamily:
     def timing(self, cfg: RLRunConfig) -> Timing:
         return Timing(cfg.train.rounds, cfg.eval.every, cfg.checkpoint)
 
-    def runner(self, cfg: RLRunConfig, inputs: RunInputs, run_dir: RunDir | None) -> RLRunner:
+    def runner(self, cfg: RLRunConfig, inputs: RunInputs) -> RLRunner:
         return RLRunner(cfg)
 
 

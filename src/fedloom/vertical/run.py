@@ -154,9 +154,7 @@ class VerticalFamily:
         rounds = algo.n_trees if isinstance(algo, SecureBoostConfig) else algo.iterations
         return Timing(rounds, cfg.eval.every, cfg.checkpoint)
 
-    def runner(
-        self, cfg: VerticalRunConfig, inputs: RunInputs, run_dir: RunDir | None
-    ) -> VerticalRunner:
+    def runner(self, cfg: VerticalRunConfig, inputs: RunInputs) -> VerticalRunner:
         return VerticalRunner(cfg, inputs.data)
 
 
