@@ -24,12 +24,12 @@ import time
 from typing import Any
 
 import fedloom
-from fedloom.api import resolve_defaults
 from fedloom.config import DEFAULT_EXPERIMENT, parse_config
 from fedloom.data import load_dataset
 from fedloom.engine.auto import AutoExecutor
 from fedloom.engine.loop import Engine, setup_frozen
 from fedloom.engine.threads import torch_threads
+from fedloom.horizontal import resolve_defaults
 from fedloom.models import build_model
 
 CANDIDATES: dict[str, dict[str, Any]] = {

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import fedloom
-from fedloom.engine.loop import RunResult
+from fedloom.engine.shell import RunResult
 from fedloom.flower import run_simulation
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import gymnasium as gym
 import torch
 
+import fedloom
 from fedloom.rl.cartpole import CartPoleBatch, CartPoleParams
-from fedloom.rl.run import run_rl
 
 
 def hfrl(seed: int, algorithm: str) -> dict:
@@ -45,7 +45,7 @@ def hfrl(seed: int, algorithm: str) -> dict:
         "eval": {"every": 4, "episodes": 20},
     }
     t = time.perf_counter()
-    result = run_rl(cfg, write=False)
+    result = fedloom.run(cfg, write=False)
     rows = {row["round"] * 5: row for row in result.history}
     return {
         "seconds": time.perf_counter() - t,
@@ -61,7 +61,7 @@ def _final(cfg: dict) -> dict:
     """One run's final greedy returns (training and unseen means), environment steps per agent
     and seconds; printed as one line when it ends (long sections)."""
     t = time.perf_counter()
-    summary = run_rl(cfg, write=False).summary
+    summary = fedloom.run(cfg, write=False).summary
     final = summary["final"]
     out = {
         "seconds": time.perf_counter() - t,
@@ -139,7 +139,7 @@ def vfrl(seed: int, mode: str, noise: float = 0.0) -> dict:
         "eval": {"every": 1, "episodes": 50},
     }
     t = time.perf_counter()
-    result = run_rl(cfg, write=False)
+    result = fedloom.run(cfg, write=False)
     return {
         "seconds": time.perf_counter() - t,
         "returns": {row["round"] * 500: row["return_train_mean"] for row in result.history},

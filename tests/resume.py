@@ -1,21 +1,23 @@
-"""The kill-and-resume check every stateful algorithm's tests share: a run killed (an upload
-transform raises) after a checkpoint and resumed from it equals the uninterrupted run."""
+"""The kill-and-resume check every stateful algorithm's tests share: a run killed (a callback
+raises, the one way to extend a run: engine/context.py) after a checkpoint and resumed from it
+equals the uninterrupted run; and the kill of an RL or vertical run, after the run shell has
+ended a round (engine/shell.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 import fedloom
-from fedloom.config import parse_config
-from fedloom.data import FederatedData, load_dataset
-from fedloom.engine.loop import Engine
+from fedloom.data import FederatedData
+from fedloom.engine.context import Callback
 from fedloom.engine.rundir import RunDir
-from fedloom.models import build_model
+from fedloom.engine.shell import RunShell
 from tests.conftest import metrics_without_time
 
 
@@ -23,15 +25,30 @@ class Crash(RuntimeError):
     pass
 
 
-def crash_at(round_: int):
-    """An upload transform that kills the run in round ``round_``."""
+class CrashAt(Callback):
+    """A callback that kills the run in round ``round``, before its metrics row and
+    checkpoint are written."""
 
-    def transform(upload, client_id, round):
-        if round == round_:
-            raise Crash(f"killed in round {round}")
-        return upload
+    def __init__(self, round: int) -> None:
+        self.round = round
 
-    return transform
+    def on_round_end(self, ctx, state, report) -> dict[str, Any]:
+        if report.round == self.round:
+            raise Crash(f"killed in round {report.round}")
+        return {}
+
+
+def crash_after(round_: int):
+    """A patch of the run shell that kills any run once round ``round_`` has ended (its row
+    and any due checkpoint written): RL and vertical runs take no callbacks."""
+    end_round = RunShell.end_round
+
+    def ending(self, done, row, payload):
+        end_round(self, done, row, payload)
+        if done == round_:
+            raise Crash(f"killed after round {done}")
+
+    return mock.patch.object(RunShell, "end_round", ending)
 
 
 def killed_and_resumed(
@@ -44,18 +61,12 @@ def killed_and_resumed(
     from), after asserting that the two runs give identical metrics, global model and client
     models; ``data``: the runs' dataset instead of the configured one (the Python API's)."""
     full = fedloom.run(config, data=data, out=tmp_path / "full", progress=False)
-    cfg = parse_config(config)
-    custom = data
-    if data is None:
-        data = load_dataset(cfg.data, cfg.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(cfg.to_yaml())
-    module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
-    engine = Engine(cfg, data, module, run_dir=run_dir, upload_transforms=[crash_at(crash_round)])
     with pytest.raises(Crash):
-        engine.run()
+        kill = [CrashAt(crash_round)]
+        fedloom.run(config, data=data, out=tmp_path / "killed", progress=False, callbacks=kill)
+    run_dir = RunDir.open_existing(tmp_path / "killed")
     killed_at = run_dir.latest_checkpoint()
-    resumed = fedloom.run(resume=tmp_path / "killed", data=custom, progress=False)
+    resumed = fedloom.run(resume=tmp_path / "killed", data=data, progress=False)
     assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
     rows = [json.loads(x) for x in (run_dir.path / "metrics.jsonl").read_text().splitlines()]
     assert metrics_without_time(rows) == metrics_without_time(full.history)

@@ -8,7 +8,7 @@ default_openmp_wait()
 from fedloom import audit, data  # noqa: E402  (audit: a callable package, fedloom.audit(...))
 from fedloom.api import run  # noqa: E402
 from fedloom.config import RunConfig  # noqa: E402
-from fedloom.engine.loop import RunResult  # noqa: E402
+from fedloom.engine.shell import RunResult  # noqa: E402
 
 __version__ = "0.1.0"
 

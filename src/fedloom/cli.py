@@ -107,33 +107,50 @@ def run(
 ) -> None:
     """Run an experiment and write its run directory (metrics, summary, report, checkpoints)."""
     from fedloom.api import run as run_api
-    from fedloom.api import run_kind
-    from fedloom.config import from_default, parse_config
-    from fedloom.errors import ConfigError
 
     try:
-        cfg = None
-        if config is not None or set_:
-            raw = _raw_config(config, set_, resume)
-            try:
-                cfg = raw if run_kind(raw) != "horizontal" else parse_config(raw)
-            except ConfigError as err:
-                given = config is not None or resume is not None
-                raise (err if given else from_default(err, set_ or [])) from None
-        if resume is not None and out is not None:
-            raise FedloomInputError(
-                "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
-            )
-        if accept_config_change and resume is None:
-            raise FedloomInputError("--accept-config-change goes with --resume RUN_DIR")
+        cfg = _run_config(config, set_, resume)
+        _check_run_options(out, resume, accept_config_change)
         result = run_api(cfg, out=out, resume=resume, accept_config_change=accept_config_change)
     except (Exception, KeyboardInterrupt) as err:
         _fail(err, debug)
         return
-    s = result.summary
+    where = f"run directory: {result.run_dir.path if result.run_dir else '-'}"
+    typer.echo("\n".join([where, *_summary_lines(result.summary)]))
+
+
+def _check_run_options(out: Path | None, resume: Path | None, accept_config_change: bool) -> None:
+    """``fedloom run``'s options that exclude or need each other."""
+    if resume is not None and out is not None:
+        raise FedloomInputError(
+            "--out and --resume exclude each other: a resumed run stays in RUN_DIR"
+        )
+    if accept_config_change and resume is None:
+        raise FedloomInputError("--accept-config-change goes with --resume RUN_DIR")
+
+
+def _run_config(config: Path | None, set_: list[str] | None, resume: Path | None) -> Any:
+    """The config ``fedloom run`` was given (with ``--set``), parsed for a horizontal run, as
+    read for the other families (``fedloom.run`` parses those); None without one."""
+    from fedloom.api import run_kind
+    from fedloom.config import from_default, parse_config
+    from fedloom.errors import ConfigError
+
+    if config is None and not set_:
+        return None
+    raw = _raw_config(config, set_, resume)
+    try:
+        return raw if run_kind(raw) != "horizontal" else parse_config(raw)
+    except ConfigError as err:
+        given = config is not None or resume is not None
+        raise (err if given else from_default(err, set_ or [])) from None
+
+
+def _summary_lines(s: dict[str, Any]) -> list[str]:
+    """The final results of summary.json ``s`` in a few lines."""
     final = s["final"]
     glob, pers = final.get("global") or {}, final.get("personalized") or {}
-    lines = [f"run directory: {result.run_dir.path if result.run_dir else '-'}"]
+    lines = []
     if glob.get("accuracy") is not None:
         lines.append(f"global accuracy {glob['accuracy']:.4f}, loss {glob['loss']:.4f}")
     elif glob.get("loss") is not None:
@@ -145,26 +162,32 @@ def run(
         )
     elif pers.get("loss_mean") is not None:
         lines.append(f"personalized loss mean {pers['loss_mean']:.6g}")
-    routing = (s.get("serving") or {}).get("routing")
-    if routing:  # docs/serving.md
-        lines.append(
-            f"routed accuracy mean {routing['routed']['accuracy_mean']:.4f} (personal "
-            f"{routing['personal']['accuracy_mean']:.4f}, global "
-            f"{routing['global']['accuracy_mean']:.4f}, "
-            f"{routing['personal_share']:.0%} to personal)"
-        )
-    elif pers.get("return_mean") is not None:  # RL (docs/rl.md)
-        unseen = final.get("return_unseen_mean")
-        lines.append(
-            f"greedy return: training environments {pers['return_mean']:.1f}"
-            + (f", unseen {unseen:.1f}" if unseen is not None else "")
-        )
+    lines += _routing_or_returns(s.get("serving") or {}, final, pers)
     comm = s["communication"]
     lines.append(
         f"bytes up {comm['bytes_up']:,}  down {comm['bytes_down']:,}  "
         f"{s['seconds_per_round']:.3f} s/round, {s['wall_seconds']:.1f} s"
     )
-    typer.echo("\n".join(lines))
+    return lines
+
+
+def _routing_or_returns(serving: dict[str, Any], final: dict[str, Any], pers: dict) -> list[str]:
+    """The router's accuracy (docs/serving.md), or an RL run's greedy returns (docs/rl.md)."""
+    routing = serving.get("routing")
+    if routing:
+        return [
+            f"routed accuracy mean {routing['routed']['accuracy_mean']:.4f} (personal "
+            f"{routing['personal']['accuracy_mean']:.4f}, global "
+            f"{routing['global']['accuracy_mean']:.4f}, "
+            f"{routing['personal_share']:.0%} to personal)"
+        ]
+    if pers.get("return_mean") is not None:
+        unseen = final.get("return_unseen_mean")
+        return [
+            f"greedy return: training environments {pers['return_mean']:.1f}"
+            + (f", unseen {unseen:.1f}" if unseen is not None else "")
+        ]
+    return []
 
 
 @app.command()

@@ -186,7 +186,7 @@ def test_sequential_and_vectorized_executors_agree(kind):
 @pytest.mark.parametrize(
     ("asynchrony", "crash"),
     [
-        ({"kind": "fedbuff"}, 9),  # the upload transform's round: the dispatch event
+        ({"kind": "fedbuff"}, 5),
         ({"kind": "fedasync", "staleness": "hinge", "a": 1.0, "b": 1.0}, 5),
         ({"kind": "none", "speeds": {"kind": "stragglers"}}, 5),
     ],

@@ -109,13 +109,15 @@ def test_weighted_average_of_rows_of_one_tensor_equals_separate_tensors():
 def test_the_heap_is_frozen_during_a_run_and_released_after():
     from fedloom.config import parse_config
     from fedloom.data import load_dataset
+    from fedloom.engine.context import Callback
     from fedloom.engine.loop import Engine
 
     seen: list[int] = []
 
-    def spy(upload, client_id, round):
-        seen.append(gc.get_freeze_count())
-        return upload
+    class Spy(Callback):
+        def on_round_end(self, ctx, state, report):
+            seen.append(gc.get_freeze_count())
+            return {}
 
     cfg = parse_config(
         {
@@ -128,6 +130,6 @@ def test_the_heap_is_frozen_during_a_run_and_released_after():
     data = load_dataset(cfg.data, cfg.seed)
     module = build_model("logreg", data.input_shape, data.num_outputs)
     before = gc.get_freeze_count()
-    Engine(cfg, data, module, upload_transforms=[spy]).run()
+    Engine(cfg, data, module, callbacks=[Spy()]).run()
     assert seen and min(seen) > before
     assert gc.get_freeze_count() == before

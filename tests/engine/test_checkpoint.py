@@ -30,8 +30,9 @@ from fedloom.engine.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from fedloom.engine.loop import Engine
+from fedloom.engine.loop import Engine, horizontal_timing
 from fedloom.engine.rundir import RunDir, config_sha256
+from fedloom.engine.shell import RunShell
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.errors import RunDirError
 from fedloom.models import build_model
@@ -195,8 +196,8 @@ def test_every_algorithms_checkpoint_round_trips(tmp_path, name):
     module = build_model(config.model.name, data.input_shape, data.num_outputs)
     run_dir = VerifyingRunDir.create(tmp_path / "run")
     run_dir.write_config(config.to_yaml())
-    engine = Engine(config, data, module, run_dir=run_dir)
-    engine.run()
+    engine = Engine(config, data, module)
+    engine.run(RunShell(run_dir, config, horizontal_timing(config), engine.name))
     assert run_dir.saved == 2
     # a real checkpoint fits the run that wrote it (engine/checkpoint_fit.py: no false alarm)
     with warnings.catch_warnings():

@@ -8,6 +8,7 @@ import pytest
 import fedloom
 from fedloom.engine.tracking import scalars
 from fedloom.errors import ConfigError
+from tests.resume import Crash, CrashAt
 
 
 def config(**tracking) -> dict:
@@ -98,14 +99,45 @@ def test_a_failed_run_ends_its_mlflow_run_as_failed(tmp_path, monkeypatch):
     data = load_dataset(cfg.data, cfg.seed)
     module = build_model(cfg.model.name, data.input_shape, data.num_outputs)
 
-    def crash(upload, client_id, round):
-        if round == 2:
-            raise RuntimeError("killed")
-        return upload
-
-    with pytest.raises(RuntimeError, match="killed"):
-        Engine(cfg, data, module, upload_transforms=[crash]).run()
+    with pytest.raises(Crash, match="killed"):
+        Engine(cfg, data, module, callbacks=[CrashAt(2)]).run()
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("failing").experiment_id])
     assert run.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "global.accuracy")] == [1]
+
+
+RL = {
+    "kind": "rl",
+    "seed": 0,
+    "data": {"name": "cartpole", "num_clients": 2, "envs_per_client": 2},
+    "model": {"hidden": [8]},
+    "algorithm": {"name": "pavg"},
+    "train": {"rounds": 2, "local_steps": 1},
+    "eval": {"every": 1, "episodes": 1},
+}
+VERTICAL = {
+    "kind": "vertical",
+    "seed": 0,
+    "data": {
+        "name": "breast_cancer",
+        "partition": {"kind": "vertical", "parties": [[0, 10], [10, 30]]},
+    },
+    "algorithm": {"name": "vertical_logistic", "iterations": 2},
+    "secure_aggregation": {"kind": "none"},
+    "eval": {"every": 1},
+}
+
+
+@pytest.mark.parametrize(("family", "tag"), [(RL, "return_mean"), (VERTICAL, "global/auc")])
+def test_every_run_family_takes_a_tracking_section(tmp_path, family, tag):
+    """The run shell keeps the trackers of every family (engine/shell.py): an RL or vertical
+    config's ``tracking:`` is not an unknown key, and its rows become scalars."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = {**family, "tracking": {"tensorboard": True}}
+    fedloom.run(config, out=tmp_path / "run", progress=False)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars(tag)] == [1, 2]

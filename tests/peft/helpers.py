@@ -8,13 +8,8 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.config import parse_config
-from fedloom.data import load_dataset
-from fedloom.engine.loop import Engine
-from fedloom.engine.rundir import RunDir
-from fedloom.peft import build_peft_model
 from tests.conftest import metrics_without_time
-from tests.resume import Crash, crash_at
+from tests.resume import Crash, CrashAt
 
 TINY_CLIENTS = 4
 
@@ -49,19 +44,9 @@ def tiny_config(
 def resume_matches(tmp_path, cfg: dict[str, Any]) -> None:
     """Killed in its last round, resumed from the checkpoint before: the same run."""
     full = fedloom.run(cfg, out=tmp_path / "full", progress=False)
-    parsed = parse_config(cfg)
-    data = load_dataset(parsed.data, parsed.seed)
-    run_dir = RunDir.create(tmp_path / "killed")
-    run_dir.write_config(parsed.to_yaml())
-    engine = Engine(
-        parsed,
-        data,
-        build_peft_model(parsed, data.num_outputs),
-        run_dir=run_dir,
-        upload_transforms=[crash_at(cfg["train"]["rounds"])],
-    )
+    kill = [CrashAt(cfg["train"]["rounds"])]
     with pytest.raises(Crash):
-        engine.run()
+        fedloom.run(cfg, out=tmp_path / "killed", progress=False, callbacks=kill)
     resumed = fedloom.run(resume=tmp_path / "killed", progress=False)
     assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
     assert resumed.summary["extras"] == full.summary["extras"]

@@ -12,6 +12,7 @@ import torch
 import fedloom
 from fedloom.config import parse_config
 from fedloom.data import load_dataset
+from fedloom.engine.context import Callback
 from fedloom.engine.loop import Engine
 from fedloom.engine.sampling import poisson_clients
 from fedloom.errors import ConfigError
@@ -75,9 +76,11 @@ def test_without_noise_and_clipping_the_server_takes_the_uniform_mean():
     equals the number of clients that reported)."""
     seen: dict[int, list[dict[str, torch.Tensor]]] = {}
 
-    def record(upload, client_id, round):  # runs after the clip, on what the server averages
-        seen.setdefault(round, []).append({k: v.clone() for k, v in upload["params"].items()})
-        return upload
+    class Record(Callback):  # the round's uploads after the clip, as the server averaged them
+        def on_round_end(self, ctx, state, report):
+            uploads = [r.upload["params"] for r in report.results]
+            seen[report.round] = [{k: v.clone() for k, v in u.items()} for u in uploads]
+            return {}
 
     cfg = parse_config(dp_config({"noise_multiplier": 0.0, "clip": 1e6, "sampling": "fixed"}))
     data = load_dataset(cfg.data, cfg.seed)
@@ -85,7 +88,7 @@ def test_without_noise_and_clipping_the_server_takes_the_uniform_mean():
         cfg,
         data,
         build_model("mlp", data.input_shape, data.num_outputs),
-        upload_transforms=[record],
+        callbacks=[Record()],
     )
     result = engine.run()
     last = seen[cfg.train.rounds]

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from fedloom.rl.run import run_rl
+import fedloom
 
 SEEDS = (0, 1, 2)
 
@@ -20,7 +20,7 @@ def _hfrl(algorithm: str, seed: int) -> dict:
         "train": {"rounds": 12, "local_steps": 5, "lr": 0.01},
         "eval": {"every": 12, "episodes": 20},
     }
-    return run_rl(cfg, write=False).summary
+    return fedloom.run(cfg, write=False).summary
 
 
 def _vfrl(mode: str, seed: int) -> float:
@@ -36,7 +36,7 @@ def _vfrl(mode: str, seed: int) -> float:
         "train": {"rounds": 1, "local_steps": 3000, "lr": 5e-4},
         "eval": {"episodes": 50},
     }
-    return run_rl(cfg, write=False).summary["final"]["return_train_mean"]
+    return fedloom.run(cfg, write=False).summary["final"]["return_train_mean"]
 
 
 @pytest.mark.heavy(budget=120)  # measured 58 s on a loaded 2-core machine
@@ -79,6 +79,6 @@ def test_pavg_with_ppo_agents_learns_the_cartpole_lengths():
         "train": {"rounds": 40, "local_steps": 5},
         "eval": {"every": 40, "episodes": 20},
     }
-    final = run_rl(cfg, write=False).summary["final"]
+    final = fedloom.run(cfg, write=False).summary["final"]
     assert final["return_train_mean"] >= 300, final["returns"]
     assert final["return_unseen_mean"] >= 250, final["returns"]

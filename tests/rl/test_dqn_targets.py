@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fedloom
 from fedloom.rl.dqn import td_target
-from fedloom.rl.run import run_rl
 
 
 def test_double_dqn_target_by_hand():
@@ -34,7 +34,7 @@ def test_qavg_target_copies_become_the_global_network(global_target):
         "train": {"rounds": 2, "local_steps": 2},
         "eval": {"every": 2, "episodes": 1},
     }  # fmt: skip
-    result = run_rl(cfg, write=False)
+    result = fedloom.run(cfg, write=False)
     q = result.extras["learner"].q
     same = [torch.equal(q.target[k][a], v) for k, v in result.global_params.items() for a in (0, 1)]
     assert all(same) == global_target

@@ -13,9 +13,8 @@ from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.privacy.client_dp import clip_update, update_norm
 from fedloom.rl.config import parse_rl_config
-from fedloom.rl.run import run_rl
 from tests.conftest import metrics_without_time
-from tests.rl.test_runs import Crash, _crash_at
+from tests.resume import Crash, crash_after
 from tests.rl.test_sampling import _cfg, aggregator
 
 DP = {"kind": "client_dp", "noise_multiplier": 0.7, "clip": 0.5, "sampling": "fixed"}
@@ -70,9 +69,9 @@ def test_a_run_with_a_mechanism_reports_it_and_resumes_bit_for_bit(tmp_path, sec
         "eval": {"every": 2, "episodes": 2},
         "checkpoint": {"every": 1},
     }
-    whole = run_rl(config, out=tmp_path / "whole")
-    with pytest.raises(Crash):
-        run_rl(config, out=tmp_path / "cut", on_round=_crash_at(3))
+    whole = fedloom.run(config, out=tmp_path / "whole")
+    with pytest.raises(Crash), crash_after(3):
+        fedloom.run(config, out=tmp_path / "cut")
     resumed = fedloom.run(resume=tmp_path / "cut")
     assert metrics_without_time(resumed.history) == metrics_without_time(whole.history)
     for key in whole.global_params:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
+import fedloom
 from fedloom.core.rng import generator
 from fedloom.engine.threads import torch_threads
 from fedloom.errors import ConfigError
@@ -28,7 +29,6 @@ from fedloom.rl.ppo import (
     gae,
     ppo_update,
 )
-from fedloom.rl.run import run_rl
 
 
 def test_gae_by_hand():
@@ -233,7 +233,7 @@ def test_ppo_agents_share_actor_and_critic_not_the_embedding():
         "train": {"rounds": 1, "local_steps": 2},
         "eval": {"episodes": 2},
     }  # fmt: skip
-    result = run_rl(cfg, write=False)
+    result = fedloom.run(cfg, write=False)
     a, b = result.client_params[0], result.client_params[1]
     assert set(result.global_params) == set(a) - {"embedding"}
     assert all(torch.equal(a[k], b[k]) for k in result.global_params)

@@ -12,8 +12,8 @@ import fedloom
 from fedloom.errors import ConfigError
 from fedloom.rl.config import parse_rl_config
 from fedloom.rl.policy_gradient import policy_logits, reinforce_grads, rollout
-from fedloom.rl.run import run_rl
 from tests.conftest import metrics_without_time
+from tests.resume import Crash, crash_after
 from tests.rl.test_sampling import aggregator
 
 
@@ -32,18 +32,6 @@ def _cfg(algorithm: dict, **train) -> dict:
         "eval": {"every": 1, "episodes": 3},
         "checkpoint": {"every": 2, "keep": 2},
     }
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def _crash_at(round_: int):
-    def on_round(done: int) -> None:
-        if done == round_:
-            raise Crash(done)
-
-    return on_round
 
 
 def test_pavg_run_directory_and_summary(tmp_path):
@@ -89,9 +77,9 @@ def test_pavg_run_directory_and_summary(tmp_path):
 )
 def test_resume_equals_uninterrupted(tmp_path, algorithm):
     cfg = _cfg(algorithm)
-    full = run_rl(cfg, out=tmp_path / "full")
-    with pytest.raises(Crash):
-        run_rl(cfg, out=tmp_path / "killed", on_round=_crash_at(3))  # checkpoint: round 2
+    full = fedloom.run(cfg, out=tmp_path / "full")
+    with pytest.raises(Crash), crash_after(3):  # checkpoint: round 2
+        fedloom.run(cfg, out=tmp_path / "killed")
     resumed = fedloom.run(resume=tmp_path / "killed")
     assert metrics_without_time(resumed.history) == metrics_without_time(full.history)
     rows = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
@@ -101,7 +89,7 @@ def test_resume_equals_uninterrupted(tmp_path, algorithm):
 
 
 def test_local_agents_do_not_communicate_and_differ():
-    result = run_rl(_cfg({"name": "local"}), write=False)
+    result = fedloom.run(_cfg({"name": "local"}), write=False)
     assert result.summary["communication"] == {"bytes_up": 0, "bytes_down": 0}
     assert result.global_params is None
     a, b = result.client_params[0], result.client_params[1]
@@ -137,7 +125,7 @@ def test_fedprox_term_pulls_towards_the_broadcast():
 def test_robust_aggregator_runs_in_a_pavg_run():
     cfg = _cfg({"name": "pavg"})
     cfg["aggregator"] = {"kind": "trimmed_mean", "beta": 0.34}
-    result = run_rl(cfg, write=False)
+    result = fedloom.run(cfg, write=False)
     assert result.summary["rl"]["aggregator"]["kind"] == "trimmed_mean"
 
 
@@ -173,7 +161,7 @@ def test_acrobot_through_gymnasium_vector_api():
         "train": {"rounds": 1, "local_steps": 1},
         "eval": {"episodes": 1},
     }
-    summary = run_rl(cfg, write=False).summary
+    summary = fedloom.run(cfg, write=False).summary
     returns = summary["final"]["returns"]
     assert set(returns["train"]) == {"link_mass_2=1", "link_mass_2=1.5"}
     assert all(-500 <= v < 0 for v in returns["train"].values())

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fedloom
 from fedloom.engine.sampling import sample_clients
 from fedloom.errors import ConfigError
 from fedloom.rl.aggregate import PolicyAggregator
 from fedloom.rl.config import parse_rl_config
-from fedloom.rl.run import run_rl
 
 
 def _cfg(per_round: int | None, kind: str = "median") -> dict:
@@ -52,7 +52,7 @@ def aggregator(
 
 def test_two_of_four_with_a_robust_rule_samples_and_aggregates_as_composed():
     cfg = parse_rl_config(_cfg(2))
-    result = run_rl(cfg, write=False)
+    result = fedloom.run(cfg, write=False)
     learner = result.extras["learner"]
     for r in range(3):
         assert learner.sampled(r) == sample_clients(5, r, [0, 1, 2, 3], 2)
@@ -82,8 +82,8 @@ def test_a_poisoned_agent_moves_the_mean_not_the_median():
 
 
 def test_sampling_changes_the_run_and_is_checked():
-    full = run_rl(_cfg(None, "mean"), write=False).global_params
-    half = run_rl(_cfg(2, "mean"), write=False).global_params
+    full = fedloom.run(_cfg(None, "mean"), write=False).global_params
+    half = fedloom.run(_cfg(2, "mean"), write=False).global_params
     assert full is not None and half is not None
     assert any(not torch.equal(full[k], half[k]) for k in full)
     with pytest.raises(ConfigError, match="clients_per_round"):

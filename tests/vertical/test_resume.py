@@ -12,20 +12,8 @@ import pytest
 import fedloom
 from fedloom.api import run_kind
 from fedloom.errors import ConfigError
-from fedloom.vertical.run import run_vertical
 from tests.conftest import metrics_without_time
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def _crash_at(round_: int):
-    def on_round(done: int) -> None:
-        if done == round_:
-            raise Crash(done)
-
-    return on_round
+from tests.resume import Crash, crash_after
 
 
 def _cfg(algorithm: dict, every: int = 2) -> dict:
@@ -93,8 +81,8 @@ def _check_resume(tmp_path, cfg: dict):
     equal metrics, model, summary and bytes. Returns the uninterrupted run."""
     algorithm = cfg["algorithm"]
     full = fedloom.run(cfg, out=tmp_path / "full")
-    with pytest.raises(Crash):
-        run_vertical(cfg, out=tmp_path / "killed", on_round=_crash_at(3))  # checkpoint: 2
+    with pytest.raises(Crash), crash_after(3):  # checkpoint: 2
+        fedloom.run(cfg, out=tmp_path / "killed")
     saved = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("*.json"))
     assert saved == ["round_000002.json"]
     resumed = fedloom.run(resume=tmp_path / "killed")
@@ -116,7 +104,7 @@ def _check_resume(tmp_path, cfg: dict):
 
 
 def test_checkpoints_every_and_last(tmp_path):
-    result = run_vertical(_cfg(ALGORITHMS[0], every=4), out=tmp_path / "run")
+    result = fedloom.run(_cfg(ALGORITHMS[0], every=4), out=tmp_path / "run")
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.json"))
     assert names == ["round_000004.json", "round_000006.json"]
     assert result.run_dir is not None
@@ -130,8 +118,8 @@ def test_ftl_killed_and_resumed_equals_uninterrupted(tmp_path, protocol):
     cfg = _cfg({"name": "ftl", "iterations": 6, "protocol": protocol})
     cfg["secure_aggregation"] = {"kind": "secret_sharing" if protocol != "ahe" else "none"}
     full = fedloom.run(cfg, out=tmp_path / "full")
-    with pytest.raises(Crash):
-        run_vertical(cfg, out=tmp_path / "killed", on_round=_crash_at(3))
+    with pytest.raises(Crash), crash_after(3):
+        fedloom.run(cfg, out=tmp_path / "killed")
     resumed = fedloom.run(resume=tmp_path / "killed")
     assert _without_time(resumed.history) == _without_time(full.history)
     a, b = full.extras["model"], resumed.extras["model"]

@@ -62,7 +62,7 @@ def build_scheme(config: CompressionConfig) -> Scheme:
 
 class UploadCompression:
     """One run's upload compression: ``start_round`` with the broadcast, then ``transmit`` each
-    client's upload (also callable as an engine ``UploadTransform``)."""
+    client's upload (also callable on its own: ``(upload, client_id, round) -> upload``)."""
 
     def __init__(self, config: CompressionConfig, seed: int) -> None:
         self.config = config

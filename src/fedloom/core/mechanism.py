@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 
     from fedloom.data.federated import FederatedData
 
-UploadTransform = Callable[[Message, int, int], Message]
-"""(upload, client_id, round) -> upload: clipping, noise, masking, poisoning plug in here."""
-
 Aggregator = Callable[[list[pytree.Tree], list[float]], pytree.Tree]
 """(trees, weights) -> tree: the server's aggregation rule (robust rules plug in here)."""
 

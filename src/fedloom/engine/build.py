@@ -26,19 +26,17 @@ from fedloom.data.validation import pooled as pooled_validation
 from fedloom.engine.asynchrony import make_schedule
 from fedloom.engine.callbacks import (
     AttackReport,
-    Checkpointing,
     ColdStart,
     Evaluation,
     HealthMonitor,
-    MetricsLog,
     PrivacyAccounting,
     SecureAggregationLog,
 )
 from fedloom.engine.context import Callback, RunContext
-from fedloom.engine.contribution import ContributionAndIncentives
+from fedloom.engine.contribution import IncentiveLedger
 from fedloom.engine.executor import Executor
 from fedloom.engine.factory import make_executor
-from fedloom.engine.mechanisms import Mechanisms, UploadTransform
+from fedloom.engine.mechanisms import Mechanisms
 from fedloom.engine.pipeline import RoundPipeline, Schedule
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import TrainingClients
@@ -69,8 +67,6 @@ class EngineParts:
     executor: Executor
     algorithm: Algorithm
     mechanisms: Mechanisms
-    upload_transforms: list[UploadTransform]
-    """The caller's upload transforms (after the mechanisms' own)."""
     train_ids: list[int]
     new_ids: list[int]
     validation: list[ClientData] | None
@@ -99,7 +95,6 @@ class EngineParts:
             validation=tuple(self.validation) if self.validation is not None else None,
             validation_pool=self.validation_pool,
             mechanisms=self.mechanisms,
-            upload_transforms=tuple(self.upload_transforms),
             evaluation=self.evaluation,
         )
 
@@ -144,13 +139,11 @@ def build_parts(
     config: RunConfig,
     data: FederatedData,
     module: FedModel,
-    progress: bool = False,
-    upload_transforms: list[UploadTransform] | None = None,
     callbacks: list[Callback] | None = None,
 ) -> EngineParts:
     """The parts of a run of ``module`` on ``data`` under ``config``; ``callbacks`` run after
-    the built-in evaluation, monitoring and privacy accounting and before the metrics log and
-    checkpoints."""
+    the built-in evaluation, monitoring and privacy accounting and before the run shell's
+    metrics row and checkpoint (engine/shell.py)."""
     check_model_fits(module, data, config.model.name)
     module = ALGORITHMS.get(config.algorithm.name).model_for(module, config.algorithm)
     model = FunctionalModel(module, data.task)
@@ -161,10 +154,9 @@ def build_parts(
     new = config.eval.new_clients
     train_ids = list(range(data.num_clients - new))
     held = hold_out(config, data, train_ids)
-    incentives = ContributionAndIncentives.build(config)
-    extra = [incentives] if incentives is not None else []
+    incentives = IncentiveLedger.build(config)
+    extra = [incentives.valuation] if incentives is not None else []
     mechanisms = Mechanisms(config, held.data, module, train_ids, extra)
-    transforms = list(upload_transforms or [])
     algorithm = make_algorithm(config, model, held.data, mechanisms, train_ids)
     training = TrainingClients.view(
         mechanisms.data,
@@ -175,8 +167,8 @@ def build_parts(
     )
     evaluation = Evaluation()
     schedule, clock = make_schedule(config, list(training.data))
-    pipeline = RoundPipeline(config, algorithm, mechanisms, executor, training, transforms)
-    own = [*extra, *clock]
+    pipeline = RoundPipeline(config, algorithm, mechanisms, executor, training)
+    own = [*([incentives.payments] if incentives is not None else []), *clock]
     return EngineParts(
         config=config,
         data=mechanisms.data,
@@ -184,7 +176,6 @@ def build_parts(
         executor=executor,
         algorithm=algorithm,
         mechanisms=mechanisms,
-        upload_transforms=transforms,
         train_ids=train_ids,
         new_ids=list(range(data.num_clients - new, data.num_clients)),
         validation=held.validation,
@@ -193,9 +184,7 @@ def build_parts(
         evaluation=evaluation,
         pipeline=pipeline,
         schedule=schedule,
-        callbacks=default_callbacks(
-            config, mechanisms, transforms, evaluation, progress, [*(callbacks or []), *own]
-        ),
+        callbacks=default_callbacks(config, mechanisms, evaluation, [*(callbacks or []), *own]),
     )
 
 
@@ -248,24 +237,20 @@ def make_algorithm(
 def default_callbacks(
     config: RunConfig,
     mechanisms: Mechanisms,
-    transforms: list[UploadTransform],
     evaluation: Evaluation,
-    progress: bool,
     extra: list[Callback],
 ) -> list[Callback]:
     """The callbacks in their order: evaluation, monitoring, privacy accounting, secure
     aggregation's counters, the attack report and the serving copies; then ``extra`` (the
-    caller's, contribution and incentives, the clock); then the metrics log, checkpoints and
-    the cold-start curve."""
+    caller's, incentive payments, the clock); then the cold-start curve. The run shell's
+    metrics row and checkpoint come after all of them (engine/loop.py)."""
     return [
         evaluation,
         *([HealthMonitor()] if config.monitor.enabled else []),
-        PrivacyAccounting([*mechanisms.all, *transforms]),
+        PrivacyAccounting(mechanisms.all),
         *([SecureAggregationLog(mechanisms.secure)] if mechanisms.secure is not None else []),
         *([AttackReport(mechanisms)] if mechanisms.malicious else []),
         *([ServingCopies(config.serving)] if config.serving.enabled else []),
         *extra,
-        MetricsLog(progress),
-        Checkpointing(),
         ColdStart(),
     ]

@@ -1,13 +1,15 @@
-"""What happens around the round loop, one callback each: evaluation, training-health
-monitoring, privacy accounting, the metrics log (metrics.jsonl, trackers, progress), checkpoints,
-the cold-start curve. The engine calls them in order after every round and at the start and end
-of the run (pfl-research's callbacks around a short loop); each reads the read-only run context
-and returns the metrics and summary.json entries it adds (the contract: engine/context.py)."""
+"""What happens around the horizontal round loop, one callback each: evaluation,
+training-health monitoring, privacy accounting, secure aggregation's counters, the attack
+report, the cold-start curve. The engine calls them in order after every round and at the
+start and end of the run (pfl-research's callbacks around a short loop); each reads the
+read-only run context and returns the metrics and summary.json entries it adds (the contract:
+engine/context.py). The metrics log, trackers, progress bar and checkpoints are the run
+shell's, after every callback (engine/shell.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,9 +31,7 @@ from fedloom.engine.monitoring import (
     test_samples,
     update_statistics,
 )
-from fedloom.engine.progress import RoundProgress
 from fedloom.engine.state import RoundReport, RunState
-from fedloom.engine.tracking import Tracker, make_trackers
 
 
 class Evaluation(Callback):
@@ -303,96 +303,6 @@ class AttackReport(Callback):
 
     def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
         return {"final": {"attack": self.last}} if self.last else {}
-
-
-class MetricsLog(Callback):
-    """The evaluated rounds' rows: into the history, metrics.jsonl, the trackers (TensorBoard,
-    MLflow) and the progress bar."""
-
-    def __init__(self, progress: bool) -> None:
-        self.progress = progress
-        self.trackers: list[Tracker] = []
-        self.bar: RoundProgress | None = None
-        self._start = 0.0
-
-    def on_run_start(self, ctx: RunContext, state: RunState) -> None:
-        cfg, run_dir = ctx.config, ctx.run_dir
-        name = run_dir.path.name if run_dir else f"{ctx.algorithm.name}-{ctx.data.name}"
-        self.trackers = make_trackers(cfg, run_dir.path if run_dir else None, name)
-        self.bar = RoundProgress(cfg.train.rounds, state.round, enabled=self.progress)
-        self.bar.__enter__()
-        self._start = time.perf_counter() - state.elapsed
-
-    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
-        assert self.bar is not None
-        state.elapsed = time.perf_counter() - self._start
-        if report.evaluate:
-            row = self.row(state, report)
-            state.history.append(row)
-            if ctx.run_dir:
-                ctx.run_dir.append_metrics(row)
-            for tracker in self.trackers:
-                tracker.log(row)
-            self.bar.show_metrics(row)
-        self.bar.advance()
-        return {}
-
-    @staticmethod
-    def row(state: RunState, report: RoundReport) -> dict[str, Any]:
-        info = report.client_info()
-        measured = dict(report.metrics)
-        timed = dict(measured.pop("seconds", {}))  # callbacks' own (monitor, contribution)
-        return {
-            "round": report.round,
-            "wall_seconds": state.elapsed,
-            "train_loss": report.train_loss,
-            "participants": len(report.participants),
-            "reported": len(report.results),
-            "dropped_nonfinite": state.dropped_nonfinite,
-            **({"client_info": info} if info else {}),
-            **measured,
-            "communication": {
-                "bytes_up": state.bytes_up,
-                "bytes_down": state.bytes_down,
-                "bytes_up_round": report.bytes_up,
-                "bytes_down_round": report.bytes_down,
-            },
-            "seconds": {
-                "round": report.train_seconds,
-                "monitor": timed.pop("monitor", 0.0),
-                **timed,
-            },
-        }
-
-    def on_summary(self, ctx: RunContext, summary: Mapping[str, Any]) -> None:
-        self._close()
-        for tracker in self.trackers:
-            tracker.close(dict(summary))
-        self.trackers = []
-
-    def on_failure(self, ctx: RunContext) -> None:
-        self._close()
-        for tracker in self.trackers:  # a run that failed: close them as such
-            tracker.close(None, failed=True)
-        self.trackers = []
-
-    def _close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
-
-
-class Checkpointing(Callback):
-    """The run state every ``checkpoint.every`` rounds and after the last one (run
-    directories only; engine/checkpoint.py writes it)."""
-
-    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
-        every, run_dir = ctx.config.checkpoint.every, ctx.run_dir
-        last = report.round == ctx.config.train.rounds
-        if run_dir and every and (report.round % every == 0 or last):
-            state.executor_choice = getattr(ctx.executor, "choice", None)
-            run_dir.save_checkpoint(report.round, state.checkpoint(), ctx.config.checkpoint.keep)
-        return {}
 
 
 class ColdStart(Callback):

@@ -18,7 +18,7 @@ from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.data.federated import FederatedData
 from fedloom.engine.executor import Executor
-from fedloom.engine.mechanisms import Mechanisms, UploadTransform
+from fedloom.engine.mechanisms import Mechanisms
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.rundir import RunDir
 from fedloom.engine.sampling import TrainingClients
@@ -59,7 +59,6 @@ class RunContext:
     validation_pool: ClientData | None
     """All training clients' validation sets as one: the server's held-out set."""
     mechanisms: Mechanisms
-    upload_transforms: tuple[UploadTransform, ...]
     evaluation: EvaluatedModels
 
 

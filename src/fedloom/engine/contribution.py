@@ -123,12 +123,11 @@ def _keyed(values: dict[int, float]) -> dict[str, float]:
     return {str(k): v for k, v in sorted(values.items())}
 
 
-class ContributionAndIncentives(Callback, Mechanism):
-    """``contribution`` and ``incentive`` of the run config: a mechanism of the round
-    (core/mechanism.py; the last in order) that values the round's uploads just before the
-    server step (``before_aggregate``), and a callback that pays and reports."""
-
-    key = STATE_KEY
+class IncentiveLedger:
+    """``contribution`` and ``incentive`` of the run config: the values, the pay book and
+    what the next metrics row reports, shared by the round's mechanism that values the uploads
+    (:class:`ContributionValuation`) and the callback that pays and reports
+    (:class:`IncentivePayments`); its state is checkpointed as ``incentives``."""
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -143,9 +142,11 @@ class ContributionAndIncentives(Callback, Mechanism):
         self.costs = CostModel(cost.per_sample, cost.per_mb, cost.per_client)
         self.convergence = Convergence(maximum=contribution.max_permutations)
         self.ctx: RunContext | None = None
-        """The run's context, from ``on_run_start`` (the coalition models are built and
-        evaluated with it)."""
+        """The run's context, from the payments' ``on_run_start`` (the coalition models are
+        built and evaluated with it)."""
         self._reset()
+        self.valuation = ContributionValuation(self)
+        self.payments = IncentivePayments(self)
 
     def _reset(self) -> None:
         self.total: dict[int, float] = {}
@@ -165,31 +166,13 @@ class ContributionAndIncentives(Callback, Mechanism):
         """... and its game: every coalition value it evaluated (benchmarks, tests)."""
 
     @classmethod
-    def build(cls, config: RunConfig) -> ContributionAndIncentives | None:
-        """The callback, or None when both sections are off."""
+    def build(cls, config: RunConfig) -> IncentiveLedger | None:
+        """The ledger, or None when both sections are off."""
         if config.contribution.kind == "none" and config.incentive.kind == "none":
             return None
         return cls(config)
 
-    # -- the run ---------------------------------------------------------------------------
-    def on_run_start(self, ctx: RunContext, state: RunState) -> None:
-        """Checks what only the data can tell (the config's rules checked the rest) and takes
-        the run's context; a resumed run's state came with the mechanisms'."""
-        self.ctx = ctx
-        if self.valuing:
-            assert ctx.validation_pool is not None
-            if self.config.contribution.metric == "accuracy" and ctx.data.task != "classification":
-                raise ConfigError(
-                    "contribution.metric: accuracy needs a classification task; use loss"
-                )
-        per_client = self.config.incentive.cost.per_client
-        if per_client is not None and len(per_client) < len(ctx.train_ids):
-            raise ConfigError(
-                f"incentive.cost.per_client: {len(per_client)} costs for "
-                f"{len(ctx.train_ids)} training clients: give one per client"
-            )
-
-    def before_aggregate(self, step: ServerStep) -> None:
+    def value(self, step: ServerStep) -> None:
         """Value the round's participants (a valued round), from the server state before the
         server step."""
         self.current = self.game = None
@@ -222,17 +205,6 @@ class ContributionAndIncentives(Callback, Mechanism):
         seconds = time.perf_counter() - tick
         self.seconds += seconds
         self.pending_seconds += seconds
-
-    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
-        if self.book is not None and report.results:
-            self.pay(ctx, report)
-        row: dict[str, Any] = {}
-        if report.evaluate:
-            row = self.row()
-            self.pending = {"contribution": {}, "incentive": {}}
-            self.pending_seconds = 0.0
-        state.mechanisms[STATE_KEY] = self.state_dict()  # checkpointed with the run
-        return row
 
     def pay(self, ctx: RunContext, report: RoundReport) -> None:
         """Every scheme pays this round's budget to the round's participants."""
@@ -275,7 +247,8 @@ class ContributionAndIncentives(Callback, Mechanism):
             }
         return out
 
-    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
+        """summary.json's ``contribution`` and ``incentive`` sections."""
         summary: dict[str, Any] = {}
         if self.valuing:
             cfg = self.config.contribution
@@ -300,7 +273,6 @@ class ContributionAndIncentives(Callback, Mechanism):
             }
         return summary
 
-    # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "total": _keyed(self.total),
@@ -329,4 +301,78 @@ class ContributionAndIncentives(Callback, Mechanism):
             self.book.load_state_dict(saved["book"])
 
 
-__all__ = ["ContributionAndIncentives", "RoundGame", "evaluate_models"]
+class ContributionValuation(Mechanism):
+    """The round's mechanism (core/mechanism.py; the last in order): it values the round's
+    uploads just before the server step, and carries the ledger's state in checkpoints."""
+
+    key = STATE_KEY
+
+    def __init__(self, ledger: IncentiveLedger) -> None:
+        self.ledger = ledger
+
+    @property
+    def game(self) -> CachedGame | None:
+        """The latest valued round's game (benchmarks, tests)."""
+        return self.ledger.game
+
+    def before_aggregate(self, step: ServerStep) -> None:
+        self.ledger.value(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.ledger.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(saved)
+
+
+class IncentivePayments(Callback):
+    """The callback: after every round the schemes pay, and the evaluated rounds' rows and
+    summary.json report the ledger."""
+
+    def __init__(self, ledger: IncentiveLedger) -> None:
+        self.ledger = ledger
+
+    # -- the run ---------------------------------------------------------------------------
+    def on_run_start(self, ctx: RunContext, state: RunState) -> None:
+        """Checks what only the data can tell (the config's rules checked the rest) and takes
+        the run's context; a resumed run's state came with the mechanisms'."""
+        self.ledger.ctx = ctx
+        if self.ledger.valuing:
+            assert ctx.validation_pool is not None
+            if (
+                self.ledger.config.contribution.metric == "accuracy"
+                and ctx.data.task != "classification"
+            ):
+                raise ConfigError(
+                    "contribution.metric: accuracy needs a classification task; use loss"
+                )
+        per_client = self.ledger.config.incentive.cost.per_client
+        if per_client is not None and len(per_client) < len(ctx.train_ids):
+            raise ConfigError(
+                f"incentive.cost.per_client: {len(per_client)} costs for "
+                f"{len(ctx.train_ids)} training clients: give one per client"
+            )
+
+    def on_round_end(self, ctx: RunContext, state: RunState, report: RoundReport) -> dict[str, Any]:
+        ledger = self.ledger
+        if ledger.book is not None and report.results:
+            ledger.pay(ctx, report)
+        row: dict[str, Any] = {}
+        if report.evaluate:
+            row = ledger.row()
+            ledger.pending = {"contribution": {}, "incentive": {}}
+            ledger.pending_seconds = 0.0
+        state.mechanisms[STATE_KEY] = ledger.state_dict()  # checkpointed with the run
+        return row
+
+    def on_run_end(self, ctx: RunContext, state: RunState) -> dict[str, Any]:
+        return self.ledger.summary()
+
+
+__all__ = [
+    "ContributionValuation",
+    "IncentiveLedger",
+    "IncentivePayments",
+    "RoundGame",
+    "evaluate_models",
+]

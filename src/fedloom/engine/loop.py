@@ -1,7 +1,7 @@
-"""The round loop: a round through the round pipeline (engine/pipeline.py), then the
-callbacks (evaluation, metrics, checkpoints ...). Algorithms never re-implement any of it; the
-evaluation timing, resume and summary.json's common keys are the run shell's, shared with the
-RL and vertical runners (engine/shell.py)."""
+"""The horizontal round loop: a round through the round pipeline (engine/pipeline.py), then the
+callbacks (evaluation, monitoring, the caller's ...), then the run shell's metrics row and
+checkpoint (engine/shell.py: the run directory, resume, metrics.jsonl, trackers, progress and
+summary.json of every run family). Algorithms never re-implement any of it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import gc
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from fedloom.config import RunConfig
 from fedloom.core.files import one_line
@@ -23,10 +20,9 @@ from fedloom.engine.checkpoint import Check
 from fedloom.engine.checkpoint_fit import run_fit
 from fedloom.engine.context import Callback, RunContext, merge
 from fedloom.engine.executor import Executor
-from fedloom.engine.mechanisms import UploadTransform
 from fedloom.engine.nonfinite import warn_all_dropped
 from fedloom.engine.rundir import RunDir
-from fedloom.engine.shell import base_summary, checkpoint_payload, note_finished
+from fedloom.engine.shell import RunResult, RunShell, Timing, base_summary
 from fedloom.engine.state import RoundReport, RunState
 from fedloom.engine.state_store import ClientStateStore
 from fedloom.engine.threads import run_threads, torch_threads
@@ -35,16 +31,6 @@ from fedloom.errors import RunDirError
 from fedloom.models.base import FedModel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunResult:
-    summary: dict[str, Any]
-    history: list[dict[str, Any]]
-    global_params: dict[str, torch.Tensor] | None
-    client_params: dict[int, dict[str, torch.Tensor]]
-    run_dir: RunDir | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine(EngineParts):
@@ -57,17 +43,20 @@ class Engine(EngineParts):
         config: RunConfig,
         data: FederatedData,
         module: FedModel,
-        run_dir: RunDir | None = None,
-        progress: bool = False,
-        upload_transforms: list[UploadTransform] | None = None,
         callbacks: list[Callback] | None = None,
     ) -> None:
         """``callbacks`` run after the built-in evaluation, monitoring and privacy accounting
-        and before the metrics log and checkpoints (engine/build.py, default_callbacks)."""
-        parts = build_parts(config, data, module, progress, upload_transforms, callbacks)
+        and before the shell's metrics row and checkpoint (engine/build.py,
+        default_callbacks)."""
+        parts = build_parts(config, data, module, callbacks)
         super().__init__(**vars(parts))
-        self.run_dir = run_dir
-        self.progress = progress
+        self.run_dir: RunDir | None = None
+        """The run shell's directory, once the run has started (``run``)."""
+
+    @property
+    def name(self) -> tuple[str, str]:
+        """(algorithm, dataset): a new run directory's default name."""
+        return self.config.algorithm.name, self.data.name
 
     def use_executor(self, executor: Executor) -> None:
         """Run the clients on ``executor`` instead of the config's (the Flower adapter's)."""
@@ -100,10 +89,15 @@ class Engine(EngineParts):
         fresh = self.initial_state()
         return run_fit({**params, **buffers}, fresh.checkpoint(), fresh.clients.num_clients)
 
-    def resumed_state(self) -> RunState:
-        """The state of the newest good checkpoint; metrics.jsonl rewritten to match it."""
-        assert self.run_dir is not None
-        saved = checkpoint_payload(self.run_dir, self.checkpoint_fit())
+    def start(self, shell: RunShell) -> RunState:
+        """A fresh state, or a resumed run's from the newest good checkpoint (the shell
+        continues its history and clock)."""
+        if not shell.resuming:
+            state = self.initial_state()
+            state.history = shell.history
+            return state
+        saved = shell.resume_from(self.checkpoint_fit())
+        assert saved is not None and self.run_dir is not None
         try:
             state = RunState.from_checkpoint(saved, self.new_store())
             self.mechanisms.load_state_dict(state.mechanisms)
@@ -112,11 +106,15 @@ class Engine(EngineParts):
                 f"cannot resume {self.run_dir.path}: its checkpoint of round {saved['round']} "
                 f"does not fit the run's config ({type(err).__name__}: {one_line(err)[:300]})"
             ) from None
-        self.run_dir.rewrite_metrics(state.history)
         if state.executor_choice and hasattr(self.executor, "choice"):
             self.executor.choice = state.executor_choice  # resume on the same executor
-        note_finished(state.round, self.config.train.rounds, self.run_dir.path)
+        shell.continue_from(state.round, state.history, state.elapsed)
         return state
+
+    def checkpoint(self, state: RunState) -> dict[str, Any]:
+        """The payload of a checkpoint (engine/state.py), ``auto``'s executor choice in it."""
+        state.executor_choice = getattr(self.executor, "choice", None)
+        return state.checkpoint()
 
     def _threads(self) -> int | None:
         """This process's intra-op threads for the run (engine/threads.py, run_threads)."""
@@ -124,33 +122,44 @@ class Engine(EngineParts):
         batch = self.config.train.batch_size or biggest.x_train.shape[0]
         return run_threads(self.config.executor, self.model.module, biggest.x_train[0], batch)
 
-    def run(self, resume: bool = False) -> RunResult:
+    def run(self, shell: RunShell | None = None) -> RunResult:
+        """The whole run through ``shell`` (engine/shell.py), summary.json included; without
+        one, in memory: no run directory, no progress bar (``fedloom.run`` builds the shell)."""
+        if shell is None:
+            shell = RunShell(None, self.config, horizontal_timing(self.config), self.name)
+        return shell.run(self.run_in)
+
+    def run_in(self, shell: RunShell) -> RunResult:
+        """The rounds left, through ``shell``; the callbacks hear of a failure."""
+        self.run_dir = shell.run_dir
         with torch_threads(self._threads()):
             self.executor.prepare(self.training.data)
             try:
                 with setup_frozen():
-                    return self._run(resume)
+                    return self._run(shell)
             except BaseException:
                 ctx = self.context()
                 for callback in self.callbacks:
                     callback.on_failure(ctx)
-                if self.run_dir is not None:  # a failed run writes no more: free to resume
-                    self.run_dir.release()
                 raise
             finally:
                 self.executor.close()
 
-    def _run(self, resume: bool) -> RunResult:
-        """The round loop: train a round, then every callback (evaluation, monitoring, the
-        metrics log, checkpoints ...) in order."""
-        state = self.resumed_state() if resume else self.initial_state()
+    def _run(self, shell: RunShell) -> RunResult:
+        """The round loop: train a round, then every callback (evaluation, monitoring ...) in
+        order, then the shell's metrics row and checkpoint."""
+        state = self.start(shell)
         ctx = self.context()
         for callback in self.callbacks:
             callback.on_run_start(ctx, state)
+        shell.begin()
         for round in range(state.round + 1, self.config.train.rounds + 1):
             report = self.train_round(round, state)
             for callback in self.callbacks:  # each sees the metrics of those before it
                 merge(report.metrics, callback.on_round_end(ctx, state, report))
+            state.elapsed = shell.elapsed
+            row = metrics_row(state, report) if report.evaluate else None
+            shell.end_round(round, row, lambda: self.checkpoint(state))
         summary = self.summary(state)
         warn_all_dropped(self.pipeline.all_dropped, self.config.train.lr)
         for callback in self.callbacks:
@@ -214,6 +223,40 @@ class Engine(EngineParts):
         if extras:
             summary["extras"] = extras
         return summary
+
+
+def horizontal_timing(config: RunConfig) -> Timing:
+    """The run shell's rounds, ``eval.every`` and ``checkpoint:`` of a horizontal run."""
+    return Timing(config.train.rounds, config.eval.every, config.checkpoint)
+
+
+def metrics_row(state: RunState, report: RoundReport) -> dict[str, Any]:
+    """An evaluated round's metrics row (README.md, "Run directory"): the round's counts and
+    the callbacks' metrics, cumulative communication, and the seconds spent."""
+    info = report.client_info()
+    measured = dict(report.metrics)
+    timed = dict(measured.pop("seconds", {}))  # callbacks' own (monitor, contribution)
+    return {
+        "round": report.round,
+        "wall_seconds": state.elapsed,
+        "train_loss": report.train_loss,
+        "participants": len(report.participants),
+        "reported": len(report.results),
+        "dropped_nonfinite": state.dropped_nonfinite,
+        **({"client_info": info} if info else {}),
+        **measured,
+        "communication": {
+            "bytes_up": state.bytes_up,
+            "bytes_down": state.bytes_down,
+            "bytes_up_round": report.bytes_up,
+            "bytes_down_round": report.bytes_down,
+        },
+        "seconds": {
+            "round": report.train_seconds,
+            "monitor": timed.pop("monitor", 0.0),
+            **timed,
+        },
+    }
 
 
 @contextmanager

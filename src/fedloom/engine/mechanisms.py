@@ -14,7 +14,7 @@ import torch
 from fedloom.algorithms import ALGORITHMS
 from fedloom.attacks.mechanism import Attack
 from fedloom.config import RunConfig
-from fedloom.core.mechanism import BuildFacts, Mechanism, MechanismChain, UploadTransform
+from fedloom.core.mechanism import BuildFacts, Mechanism, MechanismChain
 from fedloom.data.federated import FederatedData
 from fedloom.engine.mechanism_builders import build_mechanisms
 from fedloom.engine.sampling import POOLED_CLIENT
@@ -22,7 +22,7 @@ from fedloom.engine.workload import most_steps
 from fedloom.privacy import SampleLevelDP
 from fedloom.secure.aggregation import SecureAggregation
 
-__all__ = ["Mechanisms", "UploadTransform"]
+__all__ = ["Mechanisms"]
 
 
 class Mechanisms(MechanismChain):

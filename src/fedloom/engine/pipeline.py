@@ -14,7 +14,7 @@ from typing import Protocol
 
 from fedloom.algorithms import Algorithm
 from fedloom.config import RunConfig
-from fedloom.core.mechanism import ServerStep, UploadTransform
+from fedloom.core.mechanism import ServerStep
 from fedloom.core.protocol import ClientResult, ClientTask, Message
 from fedloom.engine.dropout import dropouts, uploads
 from fedloom.engine.executor import Executor
@@ -55,8 +55,6 @@ class RoundPipeline:
     mechanisms: Mechanisms
     executor: Executor
     training: TrainingClients
-    transforms: list[UploadTransform]
-    """The caller's upload transforms, after the mechanisms' ``on_upload``."""
     all_dropped: list[int] = field(default_factory=list)
     """Rounds (of this process) in which every trained client was dropped as non-finite."""
 
@@ -84,19 +82,11 @@ class RoundPipeline:
             self.all_dropped.append(round)
             log.warning("round %d: every client's result was non-finite and dropped", round)
         for task, result in zip(kept.tasks, kept.results, strict=True):
-            result.upload = self.upload(result.upload, task.client_id, round)
+            result.upload = mechanisms.on_upload(result.upload, task.client_id, round)
         down = algorithm.download_bytes(message, clients) if communicates else 0
         steps = {t.client_id: len(t.plan) for t in tasks}
         down = mechanisms.download_bytes(down)
         return Dispatch(message, kept.tasks, kept.results, sizes, steps, down)
-
-    def upload(self, upload: Message, client_id: int, round: int) -> Message:
-        """A screened upload as the server aggregates it: the mechanisms', then the caller's
-        transforms."""
-        upload = self.mechanisms.on_upload(upload, client_id, round)
-        for transform in self.transforms:
-            upload = transform(upload, client_id, round)
-        return upload
 
     def server_step(self, state: RunState, step: ServerStep) -> None:
         """The algorithm's server step on ``step.results``, the mechanisms told first. A step

@@ -1,4 +1,5 @@
-"""A Rich progress bar over rounds that shows the latest evaluated metrics."""
+"""A Rich progress bar over rounds (iterations, trees) that shows the latest evaluated metrics,
+for every run family (engine/shell.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def _fmt(row: dict[str, Any]) -> str:
         parts.append(f"pers acc {pers['accuracy_mean']:.3f} (P10 {pers['accuracy_p10']:.3f})")
     elif pers.get("loss_mean") is not None:
         parts.append(f"pers loss {pers['loss_mean']:.4g}")
+    if row.get("return_mean") is not None:  # an RL run's greedy return (docs/rl.md)
+        parts.append(f"return {row['return_mean']:.1f}")
     return "  ".join(parts)
 
 

@@ -1,15 +1,16 @@
-"""The run shell every run family shares: horizontal (engine/loop.py), federated RL
-(rl/run.py) and vertical (vertical/run.py). It owns the run directory, the evaluation timing
-(``eval.every``, always the last round), metrics.jsonl, checkpoints and bitwise resume, the
-wall clock that continues across a resume, and summary.json's common keys (docs/rl.md,
-docs/vertical.md: "Run directory").
+"""The one run shell every run family goes through: horizontal (engine/horizontal.py),
+federated RL (rl/run.py) and vertical (vertical/run.py) (docs/architecture.md, "The run
+shell"). It owns the run directory (created, or reopened to resume, locked for the process
+that writes it: engine/rundir.py, ``RunLock``), the config drift check of a resume, the
+evaluation and checkpoint timing (``eval.every``, ``checkpoint.every``, always the last
+round), metrics.jsonl, the trackers (TensorBoard, MLflow; engine/tracking.py), the progress
+bar (engine/progress.py), the wall clock that continues across a resume, and summary.json.
 
-A family's runner supplies only its rounds: ``shell.resume()`` gives back the state it saved,
-``shell.evaluates(done)`` says when to build a metrics row, ``shell.record(row)`` logs it, and
-``shell.checkpoint(done, state)`` saves ``{"round", "state", "history", "wall_seconds"}``
-every ``checkpoint.every`` rounds and after the last (engine/checkpoint.py writes the files).
-The directory is locked for the process that writes it (engine/rundir.py, ``RunLock``): a
-second run of it, new or resumed, is refused while the first lives.
+A family (:class:`RunFamily`) parses its config and builds a :class:`RoundRunner`; the runner
+runs only its rounds: ``shell.resume_from(check)`` gives back the checkpoint it saved,
+``shell.begin()`` starts the clock's display and trackers, ``shell.evaluates(done)`` says when
+to build a metrics row, ``shell.end_round(done, row, payload)`` logs the row and saves the
+payload when a checkpoint is due, and the shell writes the summary the runner returns.
 """
 
 from __future__ import annotations
@@ -17,14 +18,30 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from fedloom.engine.checkpoint import Check
 from fedloom.engine.checkpoint_fit import shell_fit
-from fedloom.engine.rundir import RunDir, default_run_dir
-from fedloom.engine.rundir import releasing_locks as releasing_locks  # the families' runners
-from fedloom.errors import RunDirError
+from fedloom.engine.progress import RoundProgress
+from fedloom.engine.rundir import RunDir, default_run_dir, differing_keys, releasing_locks
+from fedloom.engine.tracking import Tracker, make_trackers
+from fedloom.errors import ConfigError, RunDirError
+
+
+@dataclass
+class RunResult:
+    """What ``fedloom.run`` returns, for every run family (README.md, "Python API")."""
+
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+    global_params: dict[str, torch.Tensor] | None
+    client_params: dict[int, dict[str, torch.Tensor]]
+    run_dir: RunDir | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class CheckpointPolicy(Protocol):
@@ -33,6 +50,72 @@ class CheckpointPolicy(Protocol):
 
     every: int | None
     keep: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A run's rounds (iterations, trees), ``eval.every`` and ``checkpoint:`` section."""
+
+    rounds: int
+    eval_every: int
+    checkpoint: CheckpointPolicy
+
+
+@dataclass
+class RunInputs:
+    """What the caller of ``fedloom.run`` hands a run besides its config (README.md, "Python
+    API"): its own data, model, executor factory and callbacks, and whether to show progress."""
+
+    data: Any = None
+    model: Any = None
+    executor: Callable[[Any], Any] | None = None
+    callbacks: list[Any] = field(default_factory=list)
+    progress: bool = False
+
+    def refuse(self, names: tuple[str, ...], family: str, doc: str) -> None:
+        """ConfigError naming the first of ``names`` the caller gave that ``family`` does not
+        take (callbacks are hooks of the horizontal round loop)."""
+        for name in names:
+            if getattr(self, name):
+                raise ConfigError(f"{family} takes no {name} ({doc})")
+
+
+class RoundRunner(Protocol):
+    """One built run of a family: what it is named by and its rounds."""
+
+    @property
+    def name(self) -> tuple[str, str]:
+        """(algorithm, dataset): the default run directory's name."""
+        ...
+
+    def save_inputs(self, run_dir: RunDir) -> None:
+        """Files of a new run beside config.yaml (the partition, the label histogram)."""
+
+    def run(self, shell: RunShell) -> RunResult:
+        """The rounds from ``shell.start_round`` to the end, and the summary."""
+        ...
+
+
+class RunFamily(Protocol):
+    """A run family of ``fedloom.run``'s registry (api.py): how its config is read and its
+    rounds are built."""
+
+    def check_inputs(self, inputs: RunInputs) -> None:
+        """ConfigError for what the caller gave that this family does not take."""
+
+    def parse(self, config: Any, inputs: RunInputs) -> Any:
+        """The run's config (defaults resolved) from a path, mapping or parsed config."""
+        ...
+
+    def parse_saved(self, path: Path) -> Any:
+        """A run directory's config.yaml, parsed."""
+        ...
+
+    def timing(self, cfg: Any) -> Timing: ...
+
+    def runner(self, cfg: Any, inputs: RunInputs) -> RoundRunner:
+        """The run built (and validated) before a new run's directory is created."""
+        ...
 
 
 def due(done: int, every: int | None, rounds: int) -> bool:
@@ -124,99 +207,110 @@ class ResumeWarning(UserWarning):
     """Something a resume did not do (a finished run has no rounds left)."""
 
 
-def open_for_resume(
-    path: str | Path,
-    parse: Callable[[Any], Any],
-    given: Any = None,
-    accept_config_change: bool = False,
-) -> tuple[RunDir, Any]:
-    """The run directory ``path``, locked for this process (``RunDirLocked`` when another one
-    writes it), and its parsed config.yaml; RunDirError when ``given`` (a config to check
-    against) differs from it."""
-    run_dir = RunDir.open_for_writing(path, accept_config_change)
-    cfg = parse(run_dir.config_path)
-    if given is not None and parse(given).to_dict() != cfg.to_dict():
-        raise RunDirError(
-            f"cannot resume {run_dir.path}: its config.yaml differs from the given config; "
-            "resume without a config, or start a new run"
-        )
-    run_dir.config = cfg.to_dict()
-    return run_dir, cfg
+def config_for_resume(run_dir: RunDir, family: RunFamily, given: Any, inputs: RunInputs) -> Any:
+    """The run directory's config.yaml, parsed; RunDirError naming the differing keys when
+    ``given`` (a config to check against, or None) is another one."""
+    saved = family.parse_saved(run_dir.config_path)
+    if given is not None:
+        diff = differing_keys(saved.to_dict(), family.parse(given, inputs).to_dict())
+        if diff:
+            raise RunDirError(
+                f"cannot resume {run_dir.path}: its config.yaml differs from the given config "
+                f"at {', '.join(diff)}; resume without a config (and without --set), or start "
+                "a new run"
+            )
+    run_dir.config = saved.to_dict()
+    return saved
+
+
+@releasing_locks()  # the run directory's lock ends with the run, whatever its end
+def run_family(
+    family: RunFamily,
+    config: Any,
+    inputs: RunInputs,
+    *,
+    out: str | Path | None,
+    resume: str | Path | None,
+    write: bool,
+    accept_config_change: bool,
+) -> RunResult:
+    """One run of ``family`` through the shell: a new run of ``config`` (its directory
+    ``out``, else ``runs/<algorithm>-<dataset>-<time>``; none unless ``write``), or the run
+    directory ``resume`` continued from its newest checkpoint."""
+    family.check_inputs(inputs)
+    if resume is not None:
+        run_dir: RunDir | None = RunDir.open_for_writing(resume, accept_config_change)
+        assert run_dir is not None
+        cfg = config_for_resume(run_dir, family, config, inputs)
+    else:
+        if out is not None and write:
+            RunDir.check_new(out)  # before any data is loaded (created and locked below)
+        cfg, run_dir = family.parse(config, inputs), None
+    runner = family.runner(cfg, inputs)  # validates before a directory is made
+    resuming = run_dir is not None
+    shell = RunShell(run_dir, cfg, family.timing(cfg), runner.name, inputs.progress, resuming)
+    if run_dir is None and write:
+        shell.create(out, runner)
+    return shell.run(runner.run)
 
 
 class RunShell:
-    """One run's directory, history, clock, evaluation timing and checkpoints."""
+    """One run's directory, history, clock, evaluation timing, checkpoints, metrics log,
+    trackers and progress bar."""
 
     def __init__(
         self,
         run_dir: RunDir | None,
-        rounds: int,
-        eval_every: int,
-        checkpoint: CheckpointPolicy,
+        config: Any,
+        timing: Timing,
+        name: tuple[str, str],
+        progress: bool = False,
+        resuming: bool = False,
     ) -> None:
-        self.run_dir = run_dir
-        self.rounds, self.eval_every, self.policy = rounds, eval_every, checkpoint
+        """A run under ``config`` named ``name`` (algorithm, dataset) in ``run_dir`` (None:
+        in memory, or a new run's to ``create``); ``resuming``: continue ``run_dir`` from its
+        newest checkpoint."""
+        self.run_dir, self.config, self.timing, self.name = run_dir, config, timing, name
+        self.rounds = timing.rounds
+        self.progress, self.resuming = progress, resuming
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
+        self.trackers: list[Tracker] = []
+        self.bar: RoundProgress | None = None
         self._start = time.perf_counter()
 
-    @classmethod
-    def create(
-        cls,
-        config_yaml: str,
-        name: tuple[str, str],
-        out: str | Path | None,
-        write: bool,
-        **kw: Any,
-    ) -> RunShell:
-        """A new run: its directory (``out``, else ``runs/<algorithm>-<dataset>-<time>``,
-        ``name`` being (algorithm, dataset)) with config.yaml, or none when not ``write``."""
-        run_dir = None
-        if write:
-            run_dir = RunDir.create(out or default_run_dir(*name))
-            run_dir.write_config(config_yaml)
-        return cls(run_dir, **kw)
-
-    @classmethod
-    def open(
-        cls,
-        config: Any,
-        parse: Callable[[Any], Any],
-        timing: Callable[[Any], dict[str, Any]],
-        out: str | Path | None,
-        write: bool,
-        resume: str | Path | None,
-        accept_config_change: bool = False,
-    ) -> tuple[RunShell, Any, Any]:
-        """(shell, parsed config, saved state or None): a new run of ``config``, or the run
-        directory ``resume`` continued from its newest checkpoint (``config``, if given, must
-        be its config.yaml's). ``timing(cfg)``: the shell's ``rounds``, ``eval_every`` and
-        ``checkpoint`` of a parsed config."""
-        if resume is not None:
-            run_dir, cfg = open_for_resume(resume, parse, config, accept_config_change)
-            shell = cls(run_dir, **timing(cfg))
-            return shell, cfg, shell.resume()
-        cfg = parse(config)
-        name = (cfg.algorithm.name, cfg.data.name)
-        return cls.create(cfg.to_yaml(), name, out, write, **timing(cfg)), cfg, None
+    def create(self, out: str | Path | None, runner: RoundRunner) -> None:
+        """A new run's directory, locked, with config.yaml and the runner's input files."""
+        self.run_dir = RunDir.create(out or default_run_dir(*self.name))
+        self.run_dir.write_config(self.config.to_yaml())
+        runner.save_inputs(self.run_dir)
 
     # -- resume -----------------------------------------------------------------------------
-    def resume(self) -> Any:
-        """The state saved by the newest good checkpoint (history, round and clock restored,
-        metrics.jsonl rewritten to match), or None to start afresh (no checkpoint yet)."""
-        if self.run_dir is None:
+    def resume_from(self, check: Check) -> dict[str, Any] | None:
+        """The newest good checkpoint's payload that passes ``check`` when resuming (None for
+        a new run); RunDirError when there is none. The runner restores its state from it and
+        calls ``continue_from``."""
+        if not self.resuming:
             return None
-        saved = self.run_dir.latest_checkpoint(shell_fit)
-        if saved is None:
-            self.run_dir.rewrite_metrics([])
-            return None
-        self.run_dir.check_drift(saved)
-        note_finished(int(saved["round"]), self.rounds, self.run_dir.path)
-        self.history = list(saved["history"])
-        self.start_round = int(saved["round"])
-        self._start = time.perf_counter() - float(saved["wall_seconds"])
-        self.run_dir.rewrite_metrics(self.history)
-        return saved["state"]
+        assert self.run_dir is not None
+        return checkpoint_payload(self.run_dir, check)
+
+    def continue_from(self, done: int, history: list[dict[str, Any]], elapsed: float) -> None:
+        """Continue after round ``done`` with the checkpoint's ``history`` (metrics.jsonl
+        rewritten to match) and its clock."""
+        assert self.run_dir is not None
+        note_finished(done, self.rounds, self.run_dir.path)
+        self.history, self.start_round = history, done
+        self._start = time.perf_counter() - elapsed
+        self.run_dir.rewrite_metrics(history)
+
+    def begin(self) -> None:
+        """The rounds start: the trackers and the progress bar."""
+        run_dir = self.run_dir
+        name = run_dir.path.name if run_dir else "-".join(self.name)
+        self.trackers = make_trackers(self.config, run_dir.path if run_dir else None, name)
+        self.bar = RoundProgress(self.rounds, self.start_round, enabled=self.progress)
+        self.bar.__enter__()
 
     # -- the rounds -------------------------------------------------------------------------
     @property
@@ -226,28 +320,76 @@ class RunShell:
 
     def evaluates(self, done: int) -> bool:
         """Whether round ``done`` is evaluated: every ``eval.every`` rounds and the last."""
-        return due(done, self.eval_every, self.rounds)
+        return due(done, self.timing.eval_every, self.rounds)
 
-    def record(self, row: dict[str, Any]) -> None:
-        """An evaluated round's metrics row: into the history and metrics.jsonl."""
-        self.history.append(row)
-        if self.run_dir is not None:
-            self.run_dir.append_metrics(row)
+    def end_round(
+        self, done: int, row: dict[str, Any] | None, payload: Callable[[], dict[str, Any]]
+    ) -> None:
+        """Round ``done`` has ended: its metrics ``row`` (evaluated rounds) into the history,
+        metrics.jsonl, the trackers and the progress bar; ``payload()`` saved when a
+        checkpoint is due (run directories only)."""
+        if row is not None:
+            self.history.append(row)
+            if self.run_dir is not None:
+                self.run_dir.append_metrics(row)
+            for tracker in self.trackers:
+                tracker.log(row)
+            if self.bar is not None:
+                self.bar.show_metrics(row)
+        if self.bar is not None:
+            self.bar.advance()
+        policy = self.timing.checkpoint
+        if self.run_dir is not None and due(done, policy.every, self.rounds):
+            self.run_dir.save_checkpoint(done, payload(), policy.keep)
 
-    def checkpoint(self, done: int, state: Callable[[], Any]) -> None:
-        """Save ``state()`` after round ``done`` when a checkpoint is due (run directories
-        only)."""
-        if self.run_dir is None or not due(done, self.policy.every, self.rounds):
-            return
-        payload = {
-            "round": done,
-            "state": state(),
-            "history": self.history,
-            "wall_seconds": self.elapsed,
-        }
-        self.run_dir.save_checkpoint(done, payload, self.policy.keep)
+    # -- the end ----------------------------------------------------------------------------
+    def run(self, rounds: Callable[[RunShell], RunResult]) -> RunResult:
+        """``rounds(self)``, then summary.json; on an error, the shell's ``fail``."""
+        try:
+            result = rounds(self)
+        except BaseException:
+            self.fail()
+            raise
+        self.finish(result.summary)
+        return result
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Write summary.json (run directories only)."""
+        """summary.json (run directories only); the trackers get it and close."""
+        self._close_bar()
         if self.run_dir is not None:
             self.run_dir.write_json("summary.json", summary)
+        for tracker in self.trackers:
+            tracker.close(dict(summary))
+        self.trackers = []
+
+    def fail(self) -> None:
+        """The run stopped on an error: the trackers close as failed, and the directory is
+        free to resume at once (a failed run writes no more)."""
+        self._close_bar()
+        for tracker in self.trackers:
+            tracker.close(None, failed=True)
+        self.trackers = []
+        if self.run_dir is not None:
+            self.run_dir.release()
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def shell_payload(shell: RunShell, done: int, state: Any) -> dict[str, Any]:
+    """The checkpoint of a family whose state is its own (RL, vertical):
+    ``{"round", "state", "history", "wall_seconds"}`` (engine/checkpoint_fit.py,
+    ``ShellPayload``)."""
+    return {"round": done, "state": state, "history": shell.history, "wall_seconds": shell.elapsed}
+
+
+def resume_state(shell: RunShell) -> Any:
+    """The state a family of ``shell_payload`` checkpoints saved (None for a new run), the
+    shell continued from its round."""
+    saved = shell.resume_from(shell_fit)
+    if saved is None:
+        return None
+    shell.continue_from(int(saved["round"]), list(saved["history"]), float(saved["wall_seconds"]))
+    return saved["state"]

@@ -13,9 +13,9 @@ import importlib
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedloom.config import RunConfig
 from fedloom.core.runpaths import under
 from fedloom.errors import ConfigError
+from fedloom.run_config.monitor import TrackingConfig
 
 PER_CLIENT = {"client_accuracy", "client_update_norm", "cosine", "client_info"}
 
@@ -42,6 +42,16 @@ def _require(module: str, key: str, package: str) -> Any:
             f"{key} needs the '{package}' package: pip install '{package}' "
             "(or pip install 'fedloom[tracking]')"
         ) from None
+
+
+class TrackedConfig(Protocol):
+    """A run family's config as the trackers read it: its ``tracking:`` section and the
+    whole resolved config (MLflow's parameters)."""
+
+    @property
+    def tracking(self) -> TrackingConfig: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 class Tracker(Protocol):
@@ -72,7 +82,7 @@ class MLflowTracker:
     """One MLflow run per fedloom run: the resolved config as parameters, every round's
     scalars as metrics, summary.json as an artifact."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str, config: RunConfig) -> None:
+    def __init__(self, uri: str, experiment: str, run_name: str, config: TrackedConfig) -> None:
         self.mlflow = _require("mlflow", "tracking.mlflow", "mlflow-skinny")
         self.mlflow.set_tracking_uri(uri)
         self.mlflow.set_experiment(experiment)
@@ -99,7 +109,7 @@ def _flat_config(obj: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): obj}
 
 
-def make_trackers(config: RunConfig, run_dir: Path | None, run_name: str) -> list[Tracker]:
+def make_trackers(config: TrackedConfig, run_dir: Path | None, run_name: str) -> list[Tracker]:
     """The exporters ``config.tracking`` asks for (none by default)."""
     tracking = config.tracking
     trackers: list[Tracker] = []

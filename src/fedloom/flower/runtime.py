@@ -16,7 +16,6 @@ from typing import Any
 
 from torch import nn
 
-from fedloom.api import resolve_defaults
 from fedloom.config import DEFAULT_EXPERIMENT, RunConfig, apply_overrides, load_yaml, parse_config
 from fedloom.core.protocol import ClientTask
 from fedloom.data import FederatedData, load_dataset
@@ -24,6 +23,7 @@ from fedloom.engine.loop import Engine
 from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import run_threads
 from fedloom.errors import ConfigError
+from fedloom.horizontal import resolve_defaults
 from fedloom.peft import build_run_model
 
 RUN_CONFIG_PREFIX = "fedloom."

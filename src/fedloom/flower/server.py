@@ -32,9 +32,9 @@ from fedloom.core.protocol import Message as FedMessage
 from fedloom.core.pytree import Tree
 from fedloom.engine.evaluation import evaluate_each
 from fedloom.engine.executor import States
-from fedloom.engine.loop import RunResult
 from fedloom.engine.metrics import EvalCounts
 from fedloom.engine.sampling import POOLED_CLIENT
+from fedloom.engine.shell import RunResult
 from fedloom.errors import ConfigError
 from fedloom.flower import protocol
 from fedloom.flower.runtime import ConfigSource, DataFactory, ModelFactory

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.config import RunConfig
-from fedloom.engine.loop import RunResult
+from fedloom.engine.shell import RunResult
 from fedloom.flower.client import client_app
 from fedloom.flower.runtime import ConfigSource, DataFactory, ModelFactory
 from fedloom.flower.server import FedloomServer, server_app

@@ -9,8 +9,9 @@
 - environments: a torch-batched CartPole equal to Gymnasium's step (``cartpole``) and any
   Gymnasium task through its vector API (``gym_vector``);
 - tabular QAvg and its value-iteration oracle (``tabular``);
-- the YAML contract (``config``) and the runner (``run.run_rl``), which ``fedloom.run``
-  dispatches to for ``data.name: cartpole | acrobot``.
+- the YAML contract (``config``) and the run family (``run.RLFamily``), which ``fedloom.run``
+  picks for ``data.name: cartpole | acrobot`` and runs through the run shell
+  (engine/shell.py).
 
 This package's ``__init__`` imports nothing: the API imports ``fedloom.rl.config`` to recognise
 an RL config without loading Gymnasium.

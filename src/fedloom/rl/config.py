@@ -35,6 +35,7 @@ from fedloom.errors import ConfigError, unknown_name_message
 from fedloom.privacy.config import PrivacyConfig
 from fedloom.robust.config import AggregatorConfig
 from fedloom.robust.rules import byzantine_error
+from fedloom.run_config.monitor import TrackingConfig
 from fedloom.run_config.rules import Check, Rule, check_rules, equals, used
 from fedloom.run_config.train import CheckpointConfig
 
@@ -297,6 +298,7 @@ class RLRunConfig(StrictModel):
     train: RLTrainConfig = RLTrainConfig()
     eval: RLEvalConfig = RLEvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
     aggregator: AggregatorConfig = AggregatorConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     """client_dp: DP-FedAvg on the policy update (docs/rl.md, Mechanisms)."""

@@ -1,7 +1,7 @@
 """An RL run from its config (docs/rl.md): the learner, a greedy evaluation every
 ``eval.every`` rounds, checkpoints, and the standard run directory (``config.yaml``,
-``metrics.jsonl``, ``summary.json``, ``checkpoints/``; the API adds ``report.html``), all
-kept by the run shell every run family shares (engine/shell.py, docs/rl.md).
+``metrics.jsonl``, ``summary.json``, ``checkpoints/``, ``report.html``), all kept by the run
+shell every run family goes through (engine/shell.py, docs/rl.md).
 
 Each metrics row: ``round``, ``train_return`` (mean return of the round's training episodes),
 ``train_loss``, ``returns`` (``{"train": {env: mean greedy return}, "unseen": {...}}``), their
@@ -13,12 +13,19 @@ continues from the newest checkpoint and equals the uninterrupted one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedloom.engine.loop import RunResult
-from fedloom.engine.shell import RunShell, base_summary, releasing_locks
+from fedloom.engine.rundir import RunDir
+from fedloom.engine.shell import (
+    RunInputs,
+    RunResult,
+    RunShell,
+    Timing,
+    base_summary,
+    resume_state,
+    shell_payload,
+)
 from fedloom.engine.threads import torch_threads
 from fedloom.rl.config import RLRunConfig, VerticalDQNConfig, parse_rl_config
 from fedloom.rl.horizontal import PolicyAgents, QAgents
@@ -31,11 +38,6 @@ def build_learner(cfg: RLRunConfig) -> PolicyAgents | PPOAgents | QAgents | Vert
         return VerticalAgents(cfg)
     learners = {"reinforce": PolicyAgents, "ppo": PPOAgents, "dqn": QAgents}
     return learners[cfg.learner](cfg)
-
-
-def _shell_args(cfg: RLRunConfig) -> dict[str, Any]:
-    """The run shell's timing: rounds, ``eval.every`` and the ``checkpoint:`` section."""
-    return {"rounds": cfg.train.rounds, "eval_every": cfg.eval.every, "checkpoint": cfg.checkpoint}
 
 
 def _mean(values: dict[str, float]) -> float | None:
@@ -60,53 +62,66 @@ def _row(round: int, stats: dict[str, Any], returns: dict, learner: Any, wall: f
     }
 
 
-@releasing_locks()  # the run directory is free again when the run ends, or fails
-def run_rl(
-    config: Any = None,
-    *,
-    out: str | Path | None = None,
-    write: bool = True,
-    resume: str | Path | None = None,
-    accept_config_change: bool = False,
-    on_round: Callable[[int], None] | None = None,
-) -> RunResult:
-    """Run an RL config (mapping, path or :class:`RLRunConfig`), or continue the run directory
-    ``resume`` from its newest checkpoint (``accept_config_change``: engine/shell.py,
-    ``check_drift``). ``on_round(r)`` is called after each finished round
-    (tests kill a run through it). The run uses one torch thread: its tensors are small, and
-    one thread is faster for small steps (engine/threads.py, SMALL_STEP_MACS)."""
-    with torch_threads(1):
-        return _run(config, out, write, (resume, accept_config_change), on_round)
+class RLFamily:
+    """Federated RL in ``fedloom.run``'s registry (api.py): an RL config, no data or model of
+    the caller's."""
+
+    def check_inputs(self, inputs: RunInputs) -> None:
+        inputs.refuse(("data", "model", "executor", "callbacks"), "an RL run", "docs/rl.md")
+
+    def parse(self, config: Any, inputs: RunInputs) -> RLRunConfig:
+        return parse_rl_config(config)
+
+    def parse_saved(self, path: Path) -> RLRunConfig:
+        return parse_rl_config(path)
+
+    def timing(self, cfg: RLRunConfig) -> Timing:
+        return Timing(cfg.train.rounds, cfg.eval.every, cfg.checkpoint)
+
+    def runner(self, cfg: RLRunConfig, inputs: RunInputs) -> RLRunner:
+        return RLRunner(cfg)
 
 
-def _run(
-    config: Any,
-    out: str | Path | None,
-    write: bool,
-    resume: tuple[str | Path | None, bool],
-    on_round: Callable[[int], None] | None,
-) -> RunResult:
-    shell, cfg, saved = RunShell.open(config, parse_rl_config, _shell_args, out, write, *resume)
-    learner = build_learner(cfg)
-    if saved is not None:
-        learner.load_state_dict(saved)
-    eval_seconds = 0.0
-    for r in range(shell.start_round, cfg.train.rounds):
-        stats = learner.train_round(r)
-        done = r + 1
-        if shell.evaluates(done):
-            t = time.perf_counter()
-            returns = learner.evaluate()
-            eval_seconds += time.perf_counter() - t
-            shell.record(_row(done, stats, returns, learner, shell.elapsed))
-        shell.checkpoint(done, learner.state_dict)
-        if on_round is not None:
-            on_round(done)
-    summary = _summary(cfg, learner, shell.history[-1], shell.elapsed, eval_seconds)
-    shell.finish(summary)
-    run_dir, history = shell.run_dir, shell.history
-    glob, clients = learner.deployed()
-    return RunResult(summary, history, glob, clients, run_dir, extras={"learner": learner})
+class RLRunner:
+    """The rounds of one RL run. It uses one torch thread: its tensors are small, and one
+    thread is faster for small steps (engine/threads.py, SMALL_STEP_MACS)."""
+
+    def __init__(self, cfg: RLRunConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def name(self) -> tuple[str, str]:
+        return self.cfg.algorithm.name, self.cfg.data.name
+
+    def save_inputs(self, run_dir: RunDir) -> None:
+        pass
+
+    def run(self, shell: RunShell) -> RunResult:
+        with torch_threads(1):
+            return self._run(shell)
+
+    def _run(self, shell: RunShell) -> RunResult:
+        cfg = self.cfg
+        learner = build_learner(cfg)
+        saved = resume_state(shell)
+        if saved is not None:
+            learner.load_state_dict(saved)
+        shell.begin()
+        eval_seconds = 0.0
+        for r in range(shell.start_round, cfg.train.rounds):
+            stats = learner.train_round(r)
+            done, row = r + 1, None
+            if shell.evaluates(done):
+                t = time.perf_counter()
+                returns = learner.evaluate()
+                eval_seconds += time.perf_counter() - t
+                row = _row(done, stats, returns, learner, shell.elapsed)
+            shell.end_round(done, row, lambda d=done: shell_payload(shell, d, learner.state_dict()))
+        summary = _summary(cfg, learner, shell.history[-1], shell.elapsed, eval_seconds)
+        glob, clients = learner.deployed()
+        return RunResult(
+            summary, shell.history, glob, clients, shell.run_dir, extras={"learner": learner}
+        )
 
 
 def _summary(cfg: RLRunConfig, learner: Any, last: dict, wall: float, eval_s: float) -> dict:

@@ -14,7 +14,8 @@ from fedloom.run_config.serving import ServingConfig
 from fedloom.serving.router import ClientRouting, route_client
 
 if TYPE_CHECKING:
-    from fedloom.engine.loop import Engine, RunResult
+    from fedloom.engine.loop import Engine
+    from fedloom.engine.shell import RunResult
 
 
 def routing_summary(engine: Engine, result: RunResult, config: ServingConfig) -> dict[str, Any]:

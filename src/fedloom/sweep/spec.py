@@ -28,11 +28,12 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictInt, ValidationError, field_validator
 
-from fedloom.api import resolve_defaults, run_kind
+from fedloom.api import run_kind
 from fedloom.config import RunConfig, apply_overrides, load_yaml, parse_config
 from fedloom.core.settings import StrictModel
 from fedloom.core.validation import format_validation_error
 from fedloom.errors import ConfigError
+from fedloom.horizontal import resolve_defaults
 from fedloom.models import MODELS
 from fedloom.tune.space import override_items
 

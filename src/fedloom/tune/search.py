@@ -19,11 +19,11 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from fedloom.algorithms import ALGORITHMS
-from fedloom.api import resolve_defaults
 from fedloom.config import RunConfig, parse_config
 from fedloom.data import load_dataset
 from fedloom.engine.rundir import default_run_dir
 from fedloom.errors import ConfigError
+from fedloom.horizontal import resolve_defaults
 from fedloom.tune.objective import Objective, direction_of
 from fedloom.tune.space import SearchSpace, check_space
 from fedloom.tune.study import (

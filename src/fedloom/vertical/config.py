@@ -33,6 +33,7 @@ from fedloom.core.settings import Seed, StrictModel
 from fedloom.core.validation import check_int64, format_validation_error
 from fedloom.core.yaml_text import dump_yaml_text
 from fedloom.errors import ConfigError, unknown_name_message
+from fedloom.run_config.monitor import TrackingConfig
 from fedloom.run_config.rules import Check, Rule, check_rules, equals, used
 from fedloom.run_config.train import CheckpointConfig
 
@@ -166,6 +167,7 @@ class VerticalRunConfig(StrictModel):
     secure_aggregation: VerticalSecureConfig = Field(default_factory=VerticalSecureConfig)
     eval: VerticalEvalConfig = Field(default_factory=VerticalEvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """Every ``every`` iterations (trees) and after the last; ftl has no saved state yet."""
 
     @field_validator("algorithm", mode="before")

@@ -1,7 +1,7 @@
 """A vertical or transfer run from its config: data, estimator, metrics per iteration (or
 tree), checkpoints, resume, and a normal run directory (``config.yaml``, ``metrics.jsonl``,
-``summary.json``, ``checkpoints/``; the API adds ``report.html``), all kept by the run shell
-every run family shares (engine/shell.py, docs/vertical.md).
+``summary.json``, ``checkpoints/``, ``report.html``), all kept by the run shell every run
+family goes through (engine/shell.py, docs/vertical.md).
 
 Each metrics row: ``round`` (iterations or trees done), ``train_loss`` (the protocol's loss;
 SecureBoost: the training log loss or squared error), ``global`` (test accuracy, AUC and log
@@ -24,8 +24,16 @@ from typing import Any, TypeVar
 import numpy as np
 from pydantic import BaseModel
 
-from fedloom.engine.loop import RunResult
-from fedloom.engine.shell import RunShell, base_summary, releasing_locks
+from fedloom.engine.rundir import RunDir
+from fedloom.engine.shell import (
+    RunInputs,
+    RunResult,
+    RunShell,
+    Timing,
+    base_summary,
+    resume_state,
+    shell_payload,
+)
 from fedloom.errors import ConfigError
 from fedloom.vertical.config import (
     FTLConfig,
@@ -87,15 +95,16 @@ def regression_metrics(pred: np.ndarray, y: np.ndarray, scale: tuple[float, floa
 
 
 class _Recorder:
-    """After an iteration (or tree): a metrics row when evaluation is due, a checkpoint of the
-    model when one is due (engine/shell.py)."""
+    """After an iteration (or tree): a metrics row when evaluation is due, and the model's
+    checkpoint when one is due (engine/shell.py)."""
 
-    def __init__(self, shell: RunShell, on_round: Callable[[int], None] | None) -> None:
-        self.shell, self.on_round = shell, on_round
+    def __init__(self, shell: RunShell) -> None:
+        self.shell = shell
         self.eval_seconds = 0.0
 
     def __call__(self, t: int, model: Any, train_loss: float, evaluate) -> None:
         done, shell, channel = t + 1, self.shell, model.channel_
+        row = None
         if shell.evaluates(done):
             started = time.perf_counter()
             crypto_before = channel.crypto_seconds
@@ -109,12 +118,11 @@ class _Recorder:
                 **traffic(channel),
                 "wall_seconds": shell.elapsed - self.eval_seconds,
             }
-            shell.record(row)
-        shell.checkpoint(
-            done, lambda: {"model": model.state_dict(), "eval_seconds": self.eval_seconds}
-        )
-        if self.on_round is not None:
-            self.on_round(done)
+        shell.end_round(done, row, lambda: shell_payload(shell, done, self.state(model)))
+
+    def state(self, model: Any) -> dict[str, Any]:
+        """A checkpoint's state: the model's and the evaluation seconds so far."""
+        return {"model": model.state_dict(), "eval_seconds": self.eval_seconds}
 
 
 def traffic(channel: Channel) -> dict[str, Any]:
@@ -128,46 +136,75 @@ def traffic(channel: Channel) -> dict[str, Any]:
     }
 
 
-@releasing_locks()  # the run directory is free again when the run ends, or fails
-def run_vertical(
-    config: Any = None,
-    *,
-    out: str | Path | None = None,
-    write: bool = True,
-    data: Any = None,
-    resume: str | Path | None = None,
-    accept_config_change: bool = False,
-    on_round: Callable[[int], None] | None = None,
-) -> RunResult:
-    """Run a vertical config (mapping, path or :class:`VerticalRunConfig`), or continue the
-    run directory ``resume`` from its newest checkpoint (``accept_config_change``:
-    engine/shell.py, ``check_drift``). ``data``: a
-    :class:`~fedloom.vertical.data.VerticalData` of the user's own arrays instead of the
-    configured dataset (not for ftl). ``on_round(r)`` is called after each finished iteration
-    or tree (tests kill a run through it)."""
-    shell, cfg, saved = RunShell.open(
-        config, parse_vertical_config, _shell_args, out, write, resume, accept_config_change
+class VerticalFamily:
+    """Vertical and transfer FL in ``fedloom.run``'s registry (api.py): a vertical config,
+    and optionally the caller's :class:`~fedloom.vertical.data.VerticalData` (not for ftl)."""
+
+    def check_inputs(self, inputs: RunInputs) -> None:
+        inputs.refuse(("model", "executor", "callbacks"), "a vertical run", "docs/vertical.md")
+
+    def parse(self, config: Any, inputs: RunInputs) -> VerticalRunConfig:
+        return parse_vertical_config(config)
+
+    def parse_saved(self, path: Path) -> VerticalRunConfig:
+        return parse_vertical_config(path)
+
+    def timing(self, cfg: VerticalRunConfig) -> Timing:
+        algo = cfg.algorithm
+        rounds = algo.n_trees if isinstance(algo, SecureBoostConfig) else algo.iterations
+        return Timing(rounds, cfg.eval.every, cfg.checkpoint)
+
+    def runner(self, cfg: VerticalRunConfig, inputs: RunInputs) -> VerticalRunner:
+        return VerticalRunner(cfg, inputs.data)
+
+
+class VerticalRunner:
+    """The iterations (trees) of one vertical run, on ``data`` or the configured dataset."""
+
+    def __init__(self, cfg: VerticalRunConfig, data: VerticalData | None) -> None:
+        self.cfg, self.data = cfg, data
+
+    @property
+    def name(self) -> tuple[str, str]:
+        return self.cfg.algorithm.name, self.cfg.data.name
+
+    def save_inputs(self, run_dir: RunDir) -> None:
+        pass
+
+    def run(self, shell: RunShell) -> RunResult:
+        cfg, algo = self.cfg, self.cfg.algorithm
+        recorder = _Recorder(shell)
+        saved = resume_state(shell)
+        if saved is not None:
+            recorder.eval_seconds = float(saved["eval_seconds"])
+        shell.begin()
+        if isinstance(algo, FTLConfig):
+            model, extra = _run_ftl(cfg, algo, recorder, saved and saved["model"])
+        else:
+            data = self.data if self.data is not None else _configured_data(cfg)
+            model, extra = _run_vertical(cfg, algo, data, recorder, saved and saved["model"])
+        summary = _summary(cfg, shell, model, recorder.eval_seconds, extra)
+        return RunResult(summary, shell.history, None, {}, shell.run_dir, extras={"model": model})
+
+
+def _configured_data(cfg: VerticalRunConfig) -> VerticalData:
+    return load_vertical(
+        cfg.data.name,
+        cfg.data.partition.parties,
+        cfg.data.test_fraction,
+        cfg.seed,
+        cfg.data.standardize_target,
+        cfg.data.missing_fraction,
     )
-    algo = cfg.algorithm
-    recorder = _Recorder(shell, on_round)
-    if saved is not None:
-        recorder.eval_seconds = float(saved["eval_seconds"])
-    if isinstance(algo, FTLConfig):
-        model, extra = _run_ftl(cfg, algo, recorder, saved and saved["model"])
-    else:
-        if data is None:
-            data = load_vertical(
-                cfg.data.name,
-                cfg.data.partition.parties,
-                cfg.data.test_fraction,
-                cfg.seed,
-                cfg.data.standardize_target,
-                cfg.data.missing_fraction,
-            )
-        model, extra = _run_vertical(cfg, algo, data, recorder, saved and saved["model"])
-    channel: Channel = model.channel_
+
+
+def _summary(
+    cfg: VerticalRunConfig, shell: RunShell, model: Any, eval_seconds: float, extra: dict
+) -> dict[str, Any]:
+    """summary.json: the common keys (engine/shell.py) and the ``vertical`` block."""
+    algo, channel = cfg.algorithm, model.channel_
     last = shell.history[-1]
-    rounds = algo.n_trees if isinstance(algo, SecureBoostConfig) else algo.iterations
+    rounds = shell.rounds
     crypto = last["vertical"]["seconds_encryption"]
     train_wall = last["wall_seconds"]
     summary = base_summary(
@@ -193,18 +230,10 @@ def run_vertical(
         "prediction_bytes_by_party": channel.bytes_by_party(prediction=True),
         "seconds_encryption": crypto,
         "seconds_other": max(0.0, train_wall - crypto),
-        "seconds_evaluation": recorder.eval_seconds,
+        "seconds_evaluation": eval_seconds,
         **extra,
     }
-    shell.finish(summary)
-    return RunResult(summary, shell.history, None, {}, shell.run_dir, extras={"model": model})
-
-
-def _shell_args(cfg: VerticalRunConfig) -> dict[str, Any]:
-    """The run shell's timing: iterations (trees), ``eval.every`` and ``checkpoint:``."""
-    algo = cfg.algorithm
-    rounds = algo.n_trees if isinstance(algo, SecureBoostConfig) else algo.iterations
-    return {"rounds": rounds, "eval_every": cfg.eval.every, "checkpoint": cfg.checkpoint}
+    return summary
 
 
 def _run_vertical(
