@@ -12,14 +12,17 @@ One round, line by line::
 from __future__ import annotations
 
 from fedloom.algorithms.base import Algorithm, aggregate_models
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.core.protocol import ClientResult, State
 
 
 class FedAvg(Algorithm):
     name = "fedavg"
     summary = "FedAvg: local SGD, sample-size weighted model averaging (McMahan et al., 2017)"
-    averages_client_models = True
-    supports_sample_dp = True
+    capabilities = Capabilities(
+        averages_client_models=True,
+        supports_sample_dp=True,
+    )
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return aggregate_models(self.ctx, results)

@@ -40,7 +40,9 @@ from fedloom.solvers.norm_calibration import calibrate_norm_stats
 class FedBN(PartialSharing):
     name = "fedbn"
     summary = "FedBN: FedAvg on non-BN parameters, BN parameters and statistics stay local"
-    supports_sample_dp = False  # its point is BatchNorm, whose batch statistics mix samples
+    capabilities = PartialSharing.capabilities.but(
+        supports_sample_dp=False,  # its point is BatchNorm, whose batch statistics mix samples
+    )
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         module = ctx.model.module

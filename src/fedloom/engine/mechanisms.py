@@ -111,7 +111,7 @@ class Mechanisms(MechanismChain):
             return None
         self._releasable(buffers)
         population = {c: self.data.clients[c].num_train for c in self.train_ids}
-        if ALGORITHMS.get(cfg.algorithm.name).pooled:  # one virtual client of all data
+        if ALGORITHMS.get(cfg.algorithm.name).capabilities.pooled:  # one virtual client of all data
             population = {POOLED_CLIENT: sum(population.values())}
         most = {c: most_steps(train, c, n) * train.rounds for c, n in population.items()}
         return SampleLevelDP(cfg.privacy, population, train.batch_size, most)
