@@ -242,7 +242,7 @@ def test_vectorized_executor_runs_them_in_chunks_like_sequential(name, monkeypat
 
     sequential = fedloom.run(make({"kind": "sequential"}), write=False, progress=False)
 
-    import fedloom.algorithms.base as base
+    import fedloom.engine.sequential as sequential_executor
     import fedloom.solvers.sequential as sequential_backend
     import fedloom.solvers.vmap as vmap_backend
 
@@ -257,7 +257,7 @@ def test_vectorized_executor_runs_them_in_chunks_like_sequential(name, monkeypat
         return step(self, update, leaves, spec, index, buffers, s, rows, *args)
 
     monkeypatch.setattr(sequential_backend, "run_client", one_at_a_time)
-    monkeypatch.setattr(base, "run_client", one_at_a_time)
+    monkeypatch.setattr(sequential_executor, "run_client", one_at_a_time)
     monkeypatch.setattr(vmap_backend, "run_steps", one_at_a_time)
     monkeypatch.setattr(vmap_backend.ChunkRunner, "_step", spy)
     vectorized = fedloom.run(

@@ -3,7 +3,7 @@
 One round, line by line::
 
     Ct <- sample max(rho*K, 1) clients            # engine (train.clients_per_round)
-    wk <- local_train(w, Dk, S, M, eta)            # Algorithm.client_update: local SGD from w
+    wk <- local_train(w, Dk, S, M, eta)            # make_program: local SGD from w
     upload wk                                      # upload_model: the upload is the local model
     alpha_k <- nk / sum_{j in Ct} nj               # ClientResult.weight = n_k
     w <- weighted_average({wk}, {alpha_k})         # aggregate

@@ -21,7 +21,7 @@ One round::
 with p_k = n_k / n (``weighting: samples``, the paper's FedAvg-style weights, the default) or
 1/K (``uniform``: the plain mean over reporting clients, as in FedCR).
 
-There is no global model (``has_global_model = False``): the body alone cannot classify, and an
+There is no global model (``Capabilities.has_global_model``): the body alone cannot classify, and an
 average of personal heads trained on different label sets is no principled head. Client k
 deploys [w_B, w_k^P]. A client that never trained (a held-out new client, ``eval.new_clients``,
 or one never sampled) deploys the body with the initial head; with ``finetune_steps`` > 0 it
