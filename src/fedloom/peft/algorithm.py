@@ -38,10 +38,10 @@ class StrategyWire(Wire):
     algorithm: StrategyServer
 
     def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        if self.algorithm._ranks is None:
+        if self.algorithm.round_ranks is None:
             return super().download_bytes(message, clients)
         return self.algorithm.sharing.download_bytes(
-            message, [self.algorithm._ranks[c] for c in clients]
+            message, [self.algorithm.round_ranks[c] for c in clients]
         )
 
     def delta(self, message: Message, result: ClientResult) -> Tree | None:
@@ -55,7 +55,9 @@ class StrategyServer(Algorithm):
     Wire = StrategyWire
 
     sharing: StrategySharing
-    _ranks: list[int] | None = None
+    round_ranks: list[int] | None = None
+    """Every client's LoRA rank this round (HetLoRA; ``server_message`` reads them from the
+    server state), for the download bytes at each client's rank."""
 
     def strategy_step(self, server: State, results: list[ClientResult]) -> State:
         """One ``ctx.aggregate`` of the averaged keys (client-level DP, secure aggregation
@@ -71,7 +73,7 @@ class StrategyServer(Algorithm):
 
     def server_message(self, server: State, round: int = 0) -> Message:
         if "ranks" in server:  # the clients' ranks, for this round's download_bytes
-            self._ranks = [int(r) for r in server["ranks"]]
+            self.round_ranks = [int(r) for r in server["ranks"]]
         return super().server_message(server, round)
 
     def summary_extras(self, server: State) -> dict[str, Any]:
