@@ -399,7 +399,7 @@ class EngineContender(Contender):
         """What the server averages: the global model, or (no global model: FedRep) the
         shared part it keeps."""
         algorithm, server = self.engine.algorithm, self.st.server
-        model = algorithm.global_model(server) if algorithm.has_global_model else None
+        model = algorithm.global_model(server) if algorithm.capabilities.has_global_model else None
         if model is None:
             model = (server["params"], server["buffers"])
         return {k: v.detach().clone() for k, v in {**model[0], **model[1]}.items()}

@@ -23,9 +23,11 @@ from torch.func import functional_call
 
 import fedloom
 from fedloom.algorithms.apple import APPLE, APPLEConfig, scheduler
+from fedloom.algorithms.client import client_program
 from fedloom.config import parse_config
 from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.errors import ConfigError
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import TRAINED, digits_config, digits_ctx
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 
@@ -68,7 +70,7 @@ def test_local_step_is_eq_5_and_6_by_hand():
     y = torch.randint(0, 10, (12,), generator=gen)
     data = ClientData(x, y, x[:2], y[:2])
     task = ClientTask(i, data, [torch.arange(12)], 0.3, 0)
-    result = algorithm.client_update({"cores": latest}, state, task)
+    result = run_client(client_program(algorithm), {"cores": latest}, state, task)
 
     # by hand: every other core downloaded (M: all), the own core the client's copy
     cores = [{k: (copies if j == i else latest)[k][j] for k in init} for j in range(4)]

@@ -10,6 +10,7 @@ import torch
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.core.protocol import ClientData
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
@@ -72,7 +73,7 @@ def test_weight_learning_and_start_phase_match_a_hand_written_loop():
     data = client_data()
     message = algo.server_message(server)
     task = ClientTask(0, data, [], 0.1, 2, full=0)  # weight learning only, no local step
-    result = run_client(algo.client_program(), message, state, task)
+    result = run_client(client_program(algo), message, state, task)
 
     sample = torch.randperm(20, generator=generator(0, "fedala/sample", 2, 0))[:16]
     batches = list(sample.split(8))  # rand_percent 80 of 20 samples, batch 8
@@ -95,7 +96,7 @@ def test_plans_skip_start_phase_and_one_epoch():
     data = client_data()
     message = algo.server_message(server)
     task = ClientTask(0, data, [torch.arange(8)] * 3, 0.1, 2, full=3)
-    program = algo.client_program()
+    program = client_program(algo)
     plans = program.plans(message, state, task)
     assert len(plans["fedala/weights"].batches) == 5 * 2 and plans["batches"].start == 10
     state["started"] = torch.tensor(True)

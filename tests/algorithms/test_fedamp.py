@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import fedloom
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedamp import FedAMP, FedAMPConfig, attention_matrix, cloud_models
 from fedloom.config import parse_config
 from fedloom.core.protocol import ClientData, ClientTask
 from fedloom.errors import ConfigError
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import TRAINED, digits_config, digits_ctx
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 
@@ -102,7 +104,7 @@ def test_client_step_is_eq_9_by_hand():
     state = {"params": w, "buffers": buffers, "index": torch.tensor(2)}
     batch = torch.arange(12)
     task = ClientTask(2, data, [batch], 0.1, 0)
-    result = algorithm.client_update({"cloud": cloud}, state, task)
+    result = run_client(client_program(algorithm), {"cloud": cloud}, state, task)
 
     leaves = {k: v.clone().requires_grad_(True) for k, v in w.items()}
     loss = F.cross_entropy(functional_call(module, leaves, (x,)), y)

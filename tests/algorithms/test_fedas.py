@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.core.protocol import ClientData, ClientResult
 from fedloom.errors import ConfigError
 from fedloom.solvers.sequential import run_client
@@ -46,7 +47,7 @@ def test_alignment_and_fisher_trace_match_code_written_here():
     data = client_data()
     task = ClientTask(0, data, [], 0.1, 2, full=0)  # alignment only, no local step
     message = algo.server_message(server)
-    result = run_client(algo.client_program(), message, state, task)
+    result = run_client(client_program(algo), message, state, task)
 
     old = state["params"]
     protos = {int(c): features(old, data.x_train[data.y_train == c]).mean(0) for c in range(4)}

@@ -13,12 +13,14 @@ import torch
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.config import parse_config
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import num_bytes
 from fedloom.data.load import load_dataset
 from fedloom.errors import ConfigError
 from fedloom.solvers.ops import PrivacyRefused
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import (
     BODY,
     HEAD,
@@ -44,7 +46,9 @@ def test_fedbabu_trains_the_body_with_the_head_frozen_and_uploads_the_body():
     server = algo.init_server_state(*ctx.model.initial_state(0))
     plan = ctx.make_plan(data, 4, "batches", 0, 0)
     lr = 0.1
-    result = algo.client_update(algo.server_message(server), None, ClientTask(0, data, plan, lr, 0))
+    result = run_client(
+        client_program(algo), algo.server_message(server), None, ClientTask(0, data, plan, lr, 0)
+    )
 
     params = dict(server["params"])  # hand-written SGD, the head a constant
     for idx in plan:
@@ -62,7 +66,7 @@ def test_fedbabu_trains_the_body_with_the_head_frozen_and_uploads_the_body():
     # the server averages the bodies (weights n_k) and keeps the initial head
     data1 = digits_client(1)
     other = ClientTask(1, data1, ctx.make_plan(data1, 2, "batches", 0, 1), lr, 0)
-    second = algo.client_update(algo.server_message(server), None, other)
+    second = run_client(client_program(algo), algo.server_message(server), None, other)
     new = algo.aggregate(server, [result, second])
     assert list(new["params"]) == list(server["params"])  # the model's own key order
     n0, n1 = result.weight, second.weight

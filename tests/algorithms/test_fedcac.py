@@ -13,10 +13,12 @@ import torch
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
 from fedloom.algorithms.base import ClientResult
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedcac import collaborators, critical_mask, overlap_rates
 from fedloom.config import parse_config
 from fedloom.data.load import load_dataset
 from fedloom.errors import ConfigError
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import TRAINED, digits_config, digits_ctx
 from tests.algorithms.digits_setup import run_digits as run
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
@@ -110,11 +112,11 @@ def test_fedcac_client_starts_from_its_personalized_model_and_uploads_its_mask()
     cfg = parse_config(digits_config({"name": "fedcac"}))
     data = load_dataset(cfg.data, cfg.seed).clients[1]
     task = ClientTask(1, data, ctx.make_plan(data, 3, "batches", 1, 1), 0.1, 1)
-    program = algo.client_program()
+    program = client_program(algo)
     carry = program.init(algo.server_message(server), None, task)
     for key, rows in server["personal"].items():
         assert torch.equal(carry["params"][key], rows[1]), key
-    result = algo.client_update(algo.server_message(server), None, task)
+    result = run_client(client_program(algo), algo.server_message(server), None, task)
     assert result.upload["critical"].keys() == result.upload["params"].keys()
     expected = critical_mask(carry["params"], result.upload["params"], 0.5)
     for key, mask in result.upload["critical"].items():

@@ -16,6 +16,7 @@ from torch.func import vmap
 
 import fedloom
 from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedcr import ClassStatistics, gaussian_kl
 from fedloom.config import parse_config
 from fedloom.core.rng import generator
@@ -24,6 +25,7 @@ from fedloom.errors import ConfigError
 from fedloom.models import MLP
 from fedloom.solvers.local import PlanMaker
 from fedloom.solvers.ops import AUTOGRAD, FUNC
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import BODY, DIRICHLET, HEAD, digits_config
 from tests.algorithms.digits_setup import digits_ctx as make_ctx
 from tests.algorithms.digits_setup import run_digits as run
@@ -222,7 +224,7 @@ def test_fedcr_round_trains_the_shared_parts_and_reports_the_classes_it_saw():
         plan = ctx.make_plan(task_data, 20, "batches", 1, client)
         task = ClientTask(client, task_data, plan, 0.05, 1)
         state = algo.init_client_state(server, client)
-        results.append(algo.client_update(message, state, task))
+        results.append(run_client(client_program(algo), message, state, task))
         epoch = math.ceil(task_data.num_train / 16)
         assert epoch < 20 < 2 * epoch  # a trailing partial epoch
         windows.append(torch.cat(plan[:epoch]))  # the last full epoch: each sample once
@@ -267,7 +269,7 @@ def test_fedcr_statistics_come_from_the_last_full_local_epoch(epochs, extra):
     def classes(num_steps: int) -> dict[str, torch.Tensor]:
         plan = ctx.make_plan(client, num_steps, "batches", 1, 0)
         task = ClientTask(0, client, plan, 0.05, 1)
-        result = algo.client_update(message, algo.init_client_state(server, 0), task)
+        result = run_client(client_program(algo), message, algo.init_client_state(server, 0), task)
         return result.upload["classes"]
 
     window = algo.statistics_steps(steps, client.num_train)
@@ -339,7 +341,9 @@ def test_fedcr_step_is_23_with_each_steps_noise_from_the_clients_stream():
     (data,) = digits_clients([9])
     plan = [torch.arange(5), torch.arange(5, 9)]  # two steps of 5 and 4 samples: one epoch
     state = algo.init_client_state(server, client)
-    result = algo.client_update(message, state, ClientTask(client, data, plan, lr, round_))
+    result = run_client(
+        client_program(algo), message, state, ClientTask(client, data, plan, lr, round_)
+    )
 
     stream = generator(ctx.seed, "fedcr", round_, client)
     params = {**message["params"], **state["params"]}
@@ -377,7 +381,9 @@ def test_fedcr_step_is_23_with_each_steps_noise_from_the_clients_stream():
         mean = (precision * mu[y == c]).sum(0) / precision.sum(0)
         assert torch.allclose(up["mean"][row].double(), mean, atol=1e-5)
     # another client's stream: other noise, another model from the same data and plan
-    other = algo.client_update(message, state, ClientTask(client + 1, data, plan, lr, round_))
+    other = run_client(
+        client_program(algo), message, state, ClientTask(client + 1, data, plan, lr, round_)
+    )
     assert not torch.allclose(other.state["params"]["fc3.bias"], params["fc3.bias"], atol=1e-6)
 
 
@@ -412,7 +418,7 @@ def test_fedcr_vmap_backend_keeps_each_clients_statistics_window(monkeypatch):
     monkeypatch.setattr(vmap_backend, "run_steps", no_tail)
     vectorized = VectorizedExecutor(ctx.model, chunk_size=8).run_round(algo, message, tasks, states)
     for task, state, got in zip(tasks, states, vectorized, strict=True):
-        expected = algo.client_update(message, state, task)
+        expected = run_client(client_program(algo), message, state, task)
         c = task.client_id
         assert got.loss == pytest.approx(expected.loss, rel=1e-5), c
         assert torch.equal(got.state["steps"], expected.state["steps"]), c

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.core.protocol import ClientData, ClientResult
 from fedloom.errors import ConfigError
 from fedloom.solvers.sequential import run_client
@@ -48,7 +49,7 @@ def test_a_round_of_eq8_matches_sgd_on_the_shifted_representation():
     plan = [torch.arange(0, 8), torch.arange(8, 16), torch.arange(12, 20)]
     task = ClientTask(0, data, plan, lr, 3, full=3)
     message = algo.server_message(server)
-    result = run_client(algo.client_program(), message, state, task)
+    result = run_client(client_program(algo), message, state, task)
 
     params = {k: v.clone() for k, v in message["params"].items()}
     prbm, running = state["prbm"].clone(), torch.zeros(16)

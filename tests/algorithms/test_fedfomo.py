@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import fedloom
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedfomo import FedFomo, FedFomoConfig, split_indices
 from fedloom.algorithms.local import LocalOnly
 from fedloom.config import parse_config
@@ -84,7 +85,7 @@ def test_client_step_is_eq_3_to_6_by_hand():
     message = {"models": table, "chosen": {"ids": chosen}}
     state = {"params": own, "buffers": buffers}
     task = ClientTask(1, data, [], 0.1, 0)
-    carry = algorithm.client_program().init(message, state, task)
+    carry = client_program(algorithm).init(message, state, task)
 
     base = mean_ce(module, own, xv, yv)
     raw = []

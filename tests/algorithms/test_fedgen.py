@@ -14,6 +14,7 @@ import torch
 
 from fedloom.algorithms import AlgorithmContext, ClientTask, build_algorithm
 from fedloom.algorithms.base import aggregate_models
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedgen import (
     FedGenConfig,
     Teachers,
@@ -30,6 +31,7 @@ from fedloom.data.load import load_dataset
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
 from fedloom.solvers.local import PlanMaker
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import assert_same_global, digits_config
 from tests.algorithms.digits_setup import run_digits as run
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
@@ -144,7 +146,7 @@ def test_fedgen_server_round_warms_up_then_sends_the_generator_and_label_prior()
     for client in (1, 3):
         plan = ctx.make_plan(data.clients[client], 4, "batches", 1, client)
         task = ClientTask(client, data.clients[client], plan, 0.05, 1)
-        results.append(algo.client_update(message, None, task))
+        results.append(run_client(client_program(algo), message, None, task))
     new = algo.aggregate(server, results)
     # the model is FedAvg's sample-weighted average
     fedavg = aggregate_models(algo.ctx, results)
@@ -168,8 +170,8 @@ def test_fedgen_server_round_warms_up_then_sends_the_generator_and_label_prior()
     plan = ctx.make_plan(data.clients[1], 4, "batches", 2, 1)
     task = ClientTask(1, data.clients[1], plan, 0.05, 2)
     sent = {key: t.clone() for key, t in message["generator"].items()}
-    with_gen = algo.client_update(message, None, task)
-    plain = algo.client_update({"params": new["params"], "buffers": {}}, None, task)
+    with_gen = run_client(client_program(algo), message, None, task)
+    plain = run_client(client_program(algo), {"params": new["params"], "buffers": {}}, None, task)
     assert not torch.equal(
         with_gen.upload["params"]["fc3.bias"], plain.upload["params"]["fc3.bias"]
     )

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
 from fedloom.algorithms.base import ClientResult
+from fedloom.algorithms.client import client_program
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import BODY, HEAD, TRAINED, digits_config, initial_params
 from tests.algorithms.digits_setup import run_digits as run
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
@@ -30,8 +32,8 @@ def test_fedgh_uploads_class_means_of_the_trained_body_and_keeps_the_body():
     state = algo.init_client_state(server, 1)
     data = client_data(HELD[1], seed=1)
     plan = ctx.make_plan(data, 4, "batches", 0, 1)
-    result = algo.client_update(
-        algo.server_message(server), state, ClientTask(1, data, plan, 0.1, 0)
+    result = run_client(
+        client_program(algo), algo.server_message(server), state, ClientTask(1, data, plan, 0.1, 0)
     )
     params = {**result.state["params"], **server["params"]}
     assert sorted(result.state["params"]) == sorted(k for k in params if not k.startswith("fc3"))

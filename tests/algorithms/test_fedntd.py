@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedntd import ntd_loss
 from fedloom.errors import ConfigError
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.tiny_2nn_setup import CLASSES, client_data, logits, make_ctx, run
 
 
@@ -67,7 +69,7 @@ def test_fedntd_local_steps_distill_from_the_received_model():
     server = algo.init_server_state(*ctx.model.initial_state(0))
     full = torch.arange(data.num_train)
     task = ClientTask(0, data, [full, full], lr, 1)
-    result = algo.client_update(algo.server_message(server), None, task)
+    result = run_client(client_program(algo), algo.server_message(server), None, task)
 
     x, y = data.x_train, data.y_train
     teacher = logits(server["params"], x).detach()
@@ -117,7 +119,7 @@ def test_fedntd_uniform_weighting_averages_with_equal_weights():
     for c, n in enumerate([10, 30]):
         data = client_data([c % CLASSES] * n, seed=c)
         task = ClientTask(c, data, [torch.arange(n)], 0.5, 1)
-        results.append(algo.client_update(message, None, task))
+        results.append(run_client(client_program(algo), message, None, task))
     new = algo.aggregate(server, results)
     for k, value in new["params"].items():
         expected = (results[0].upload["params"][k] + results[1].upload["params"][k]) / 2

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
 from fedloom.algorithms.base import ClientResult
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedpac import feature_statistics
 from fedloom.errors import ConfigError
 from fedloom.solvers.ops import AUTOGRAD
@@ -117,7 +118,7 @@ def test_fedpac_body_step_is_ce_plus_lamda_mse_to_the_centroids_with_the_head_fr
     message = algo.server_message(server)
     state = algo.init_client_state(server, 0)
     task = ClientTask(0, data, [torch.arange(data.num_train)], lr, 1)
-    program = algo.client_program()
+    program = client_program(algo)
     carry, shared = program.init(message, state, task), program.shared(message, task)
     batch = Batch(data.x_train, data.y_train, torch.ones(data.num_train))
     after, metrics = program.body_step(AUTOGRAD, carry, (batch,), shared)

@@ -13,12 +13,14 @@ import torch.nn.functional as F
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedproto import prototype_loss
 from fedloom.config import parse_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.data.load import load_dataset
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 from tests.algorithms.tiny_2nn_setup import (
     CLASSES,
@@ -50,7 +52,9 @@ def test_fedproto_global_prototypes_are_the_weighted_class_means(weighting):
     results = []
     for c, data in enumerate(datas):
         task = ClientTask(c, data, ctx.make_plan(data, 5, "batches", 1, c), 0.1, 1)
-        results.append(algo.client_update(message, algo.init_client_state(server, c), task))
+        results.append(
+            run_client(client_program(algo), message, algo.init_client_state(server, c), task)
+        )
     new = algo.aggregate(server, results)
 
     sums, counts, means = torch.zeros(CLASSES, HIDDEN), torch.zeros(CLASSES), []
@@ -96,7 +100,7 @@ def test_fedproto_local_step_is_ce_plus_lam_times_the_mse_to_the_global_prototyp
     server["known"][[0, 1, 2, 5]] = True
     state = algo.init_client_state(server, 0)
     task = ClientTask(0, data, [torch.arange(data.num_train)], lr, 1)  # one full-batch step
-    result = algo.client_update(algo.server_message(server), state, task)
+    result = run_client(client_program(algo), algo.server_message(server), state, task)
 
     leaves = {k: v.clone().requires_grad_(True) for k, v in state["params"].items()}
     h = features(leaves, data.x_train)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.config import parse_config
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
@@ -21,6 +22,7 @@ from fedloom.errors import ConfigError
 from fedloom.solvers.local import PlanMaker
 from fedloom.solvers.ops import AUTOGRAD
 from fedloom.solvers.program import Batch
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import BODY, HEAD, TRAINED, digits_config, flat, initial_params
 from tests.algorithms.digits_setup import digits_ctx as make_ctx
 from tests.algorithms.digits_setup import run_digits as run
@@ -67,7 +69,7 @@ def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body_with_the_head
     full = ctx.make_plan(data, 12, "batches", 2, 0)
     task = ClientTask(0, data, full[:5], 0.05, 2, full=12)  # a straggler: 5 of its 12 steps
     message = algo.server_message(server)
-    program = algo.client_program()
+    program = client_program(algo)
 
     # head phase: 7 steps from the stream (seed, 'head', 2, 0) from step 0, then the body on
     # the straggler's 5 steps of the engine's plan, starting where the head phase ends
@@ -92,7 +94,7 @@ def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body_with_the_head
 
     # the whole round against plain SGD by hand on each part (measured: 1.5e-8, float32,
     # two summation orders)
-    result = algo.client_update(message, state, task)
+    result = run_client(client_program(algo), message, state, task)
     middle = hand_sgd(ctx.model, start, data, expected_plan, 0.05, HEAD)
     end = hand_sgd(ctx.model, middle, data, task.plan, 0.05, BODY)
     assert (middle["fc3.weight"] - start["fc3.weight"]).abs().max() > 1e-3

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedrod import balanced_softmax_loss, log_class_counts
 from fedloom.errors import ConfigError
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import digits_config
 from tests.algorithms.pfl_setup import run_pfl
 from tests.algorithms.tiny_2nn_setup import CLASSES, client_data, features, make_ctx, run
@@ -60,7 +62,9 @@ def test_fedrod_client_steps_train_the_generic_model_by_bsm_and_the_personal_hea
     }
     full = torch.arange(data.num_train)
     task = ClientTask(0, data, [full, full], lr, 1)
-    result = algo.client_update(algo.server_message(server), {"params": personal}, task)
+    result = run_client(
+        client_program(algo), algo.server_message(server), {"params": personal}, task
+    )
 
     x, y = data.x_train, data.y_train
     counts = torch.bincount(y, minlength=CLASSES).float()  # absent classes: log 0 = -inf

@@ -112,8 +112,8 @@ def test_fpfc_server_step_matches_the_pseudocode(pairs):
         assert torch.allclose(new["theta"][p], theta[i, j], atol=1e-6, rtol=0)
         assert torch.allclose(new["dual"][p], dual[i, j], atol=1e-6, rtol=0)
     message = algorithm.server_message(new)
-    assert algorithm.download_bytes(message, [0]) == num_bytes(params)  # one zeta_i
-    assert algorithm.download_bytes(message, [0, 2]) == 2 * num_bytes(params)
+    assert algorithm.wire.download_bytes(message, [0]) == num_bytes(params)  # one zeta_i
+    assert algorithm.wire.download_bytes(message, [0, 2]) == 2 * num_bytes(params)
     assert num_bytes(message["zeta"]) == m * num_bytes(params)  # the table held in memory
 
 

@@ -16,10 +16,12 @@ from torch.func import functional_call
 
 import fedloom
 from fedloom.algorithms import build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.gpfl import GPFL, GPFLModel, GPFLProgram, guidance, magnitude, valve
 from fedloom.core.functional import FunctionalModel
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import digits_config
 from tests.algorithms.digits_setup import run_digits as run
 from tests.algorithms.feature_heads_setup import digits_task, wrapped_ctx
@@ -129,8 +131,8 @@ def test_a_client_round_is_plain_torch_gpfl(lamda, mu):
     algo = build_algorithm(cfg, ctx)
     server = algo.init_server_state(*ctx.model.initial_state(0))
     task = digits_task(1, steps=4)
-    result = algo.client_update(
-        algo.server_message(server), algo.init_client_state(server, 1), task
+    result = run_client(
+        client_program(algo), algo.server_message(server), algo.init_client_state(server, 1), task
     )
     want = oracle_round(server, task, lamda, mu)
     up, kept = result.upload["params"], result.state["params"]

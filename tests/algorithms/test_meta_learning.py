@@ -21,6 +21,7 @@ from torch import nn
 
 import fedloom
 from fedloom.algorithms import AlgorithmContext, ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.perfedavg import (
     PerFedAvgConfig,
     finite_difference_hvp,
@@ -36,6 +37,7 @@ from fedloom.models.base import FedModel
 from fedloom.solvers.local import PlanMaker
 from fedloom.solvers.ops import AUTOGRAD
 from fedloom.solvers.program import Batch
+from fedloom.solvers.sequential import run_client
 from tests.algorithms import digits_setup
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 
@@ -203,8 +205,8 @@ def test_perfedavg_hf_client_round_is_algorithm_1(straggler):
     server = algo.init_server_state(params, buffers)
     full = ctx.make_plan(data, 6, "batches", 2, 0)
     plan = full[:3] if straggler else full
-    result = algo.client_update(
-        algo.server_message(server), None, ClientTask(0, data, plan, 0.2, 2)
+    result = run_client(
+        client_program(algo), algo.server_message(server), None, ClientTask(0, data, plan, 0.2, 2)
     )
     # the transcription: D from the task's plan, D' and D'' from their own streams
     outer = ctx.make_plan(data, 6, "perfedavg/outer", 2, 0)
@@ -267,10 +269,10 @@ def test_cold_start_adapts_at_alpha_from_theta():
     ctx, data = tiny_ctx()
     algo = build_algorithm({"name": "perfedavg", "alpha": 0.07}, ctx)
     server = algo.init_server_state(*ctx.model.initial_state(0))
-    assert algo.adaptation_lr() == 0.07
-    params, _ = algo.new_client_model(server, ClientTask(3, data, [], ctx.lr, 1))
+    assert algo.deployment.adaptation_lr() == 0.07
+    params, _ = algo.deployment.new_client_model(server, ClientTask(3, data, [], ctx.lr, 1))
     assert params is server["params"]
-    assert build_algorithm({"name": "reptile"}, ctx).adaptation_lr() is None  # train.lr
+    assert build_algorithm({"name": "reptile"}, ctx).deployment.adaptation_lr() is None  # train.lr
 
 
 # -- Reptile -------------------------------------------------------------------------------

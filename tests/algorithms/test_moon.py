@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.moon import contrastive_loss
 from fedloom.errors import ConfigError
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.tiny_2nn_setup import client_data, features, logits, make_ctx, run
 from tests.engine.test_determinism import CONFIG as RESUME_CONFIG
 from tests.resume import killed_and_resumed
@@ -57,7 +59,7 @@ def test_moon_local_steps_contrast_the_global_and_the_previous_model():
     state = {**state, "params": previous}
     full = torch.arange(data.num_train)
     task = ClientTask(0, data, [full, full], lr, 1)
-    result = algo.client_update(algo.server_message(server), state, task)
+    result = run_client(client_program(algo), algo.server_message(server), state, task)
 
     x, y = data.x_train, data.y_train
     z_glob, z_prev = features(server["params"], x), features(previous, x)
@@ -93,7 +95,9 @@ def test_moon_first_round_has_no_negative():
         algo = build_algorithm({"name": name, **({"mu": 5.0} if name == "moon" else {})}, ctx)
         server = algo.init_server_state(*ctx.model.initial_state(0))
         state = algo.init_client_state(server, 0)
-        uploads.append(algo.client_update(algo.server_message(server), state, task).upload)
+        uploads.append(
+            run_client(client_program(algo), algo.server_message(server), state, task).upload
+        )
     for k, value in uploads[0]["params"].items():
         assert torch.allclose(uploads[1]["params"][k], value, atol=1e-6), k
 

@@ -15,6 +15,7 @@ from torch.func import grad_and_value, vmap
 
 import fedloom
 from fedloom.algorithms import ClientTask, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.fedgen import generate
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
@@ -22,6 +23,7 @@ from fedloom.core.rng import generator
 from fedloom.models import MLP
 from fedloom.solvers.ops import AUTOGRAD, FUNC
 from fedloom.solvers.program import Batch
+from fedloom.solvers.sequential import run_client
 from tests.algorithms.digits_setup import digits_ctx
 from tests.engine.test_executor_equivalence import assert_same, config
 
@@ -105,7 +107,7 @@ def digits_clients(sizes: list[int]) -> list[ClientData]:
 @pytest.mark.parametrize("name", sorted(ACTIVE))
 def test_objectives_ignore_padding_and_vmap_equals_one_client_at_a_time(name):
     algo, message, states = active_round(name)
-    program = algo.client_program()
+    program = client_program(algo)
     assert program.regularized(message)
     sizes = [4, 7]
     datas = digits_clients(sizes)
@@ -167,13 +169,13 @@ def test_objectives_ignore_padding_and_vmap_equals_one_client_at_a_time(name):
 def test_fused_sequential_path_equals_stepping_through_the_program(name):
     # run_lean (the lean flat-buffer trainer) against the program's own step, one client
     algo, message, states = active_round(name)
-    program = algo.client_program()
+    program = client_program(algo)
     (data,) = digits_clients([27])
     plan = algo.ctx.make_plan(data, 5, "batches", 2, 1)  # batches of 8, 8, 8, 3, 8
     task = ClientTask(1, data, plan, 0.1, 2)
-    fused = algo.client_update(message, states[1], task)
+    fused = run_client(client_program(algo), message, states[1], task)
     program.run_lean = lambda *args: None  # the sequential backend steps through ``updates``
-    stepped = algo.client_update(message, states[1], task)
+    stepped = run_client(client_program(algo), message, states[1], task)
     assert fused.loss == pytest.approx(stepped.loss, rel=1e-5)
     model = (fused.state or fused.upload)["params"]
     other = (stepped.state or stepped.upload)["params"]
@@ -190,7 +192,9 @@ def test_fedgen_steps_use_each_steps_draws_from_the_clients_stream():
     (data,) = digits_clients([9])
     plan = [torch.arange(5), torch.arange(5, 9)]  # two steps of 5 and 4 samples
     lr, round_, client = 0.1, 4, 2
-    result = algo.client_update(message, None, ClientTask(client, data, plan, lr, round_))
+    result = run_client(
+        client_program(algo), message, None, ClientTask(client, data, plan, lr, round_)
+    )
 
     stream = generator(ctx.seed, "fedgen", round_, client)
     prior, gen = message["label_prior"]["p"], message["generator"]
@@ -219,7 +223,9 @@ def test_fedgen_steps_use_each_steps_draws_from_the_clients_stream():
     for k, value in params.items():
         assert torch.allclose(result.upload["params"][k], value, atol=1e-6), k
     # another client's stream: other draws, another model from the same data and plan
-    other = algo.client_update(message, None, ClientTask(client + 1, data, plan, lr, round_))
+    other = run_client(
+        client_program(algo), message, None, ClientTask(client + 1, data, plan, lr, round_)
+    )
     assert not torch.allclose(other.upload["params"]["fc3.bias"], params["fc3.bias"], atol=1e-6)
 
 
@@ -236,7 +242,7 @@ def test_vectorized_executor_runs_them_in_chunks_like_sequential(name, monkeypat
 
     sequential = fedloom.run(make({"kind": "sequential"}), write=False, progress=False)
 
-    import fedloom.algorithms.base as base
+    import fedloom.engine.sequential as sequential_executor
     import fedloom.solvers.sequential as sequential_backend
     import fedloom.solvers.vmap as vmap_backend
 
@@ -251,7 +257,7 @@ def test_vectorized_executor_runs_them_in_chunks_like_sequential(name, monkeypat
         return step(self, update, leaves, spec, index, buffers, s, rows, *args)
 
     monkeypatch.setattr(sequential_backend, "run_client", one_at_a_time)
-    monkeypatch.setattr(base, "run_client", one_at_a_time)
+    monkeypatch.setattr(sequential_executor, "run_client", one_at_a_time)
     monkeypatch.setattr(vmap_backend, "run_steps", one_at_a_time)
     monkeypatch.setattr(vmap_backend.ChunkRunner, "_step", spy)
     vectorized = fedloom.run(

@@ -70,8 +70,8 @@ def test_shared_part_is_the_servers_and_the_personal_part_is_each_clients(
 
 def test_new_clients_fine_tune_the_personal_part():
     ctx = make_ctx()
-    assert build_algorithm({"name": "fedrep"}, ctx).adaptation_keys() == HEAD
-    assert build_algorithm({"name": "lgfedavg"}, ctx).adaptation_keys() == BODY
+    assert build_algorithm({"name": "fedrep"}, ctx).deployment.adaptation_keys() == HEAD
+    assert build_algorithm({"name": "lgfedavg"}, ctx).deployment.adaptation_keys() == BODY
 
 
 # -- communication and the server ------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fedloom
+from fedloom.algorithms.client import client_program
 from fedloom.config import asynchronous_algorithms, parse_config
 from fedloom.core.protocol import Message
 from fedloom.data import load_dataset
@@ -16,6 +17,7 @@ from fedloom.engine.loop import Engine
 from fedloom.engine.nonfinite import DivergenceError
 from fedloom.engine.sampling import sample_clients
 from fedloom.models import build_model
+from fedloom.solvers.sequential import run_client
 from tests.conftest import metrics_without_time
 from tests.resume import killed_and_resumed
 
@@ -90,7 +92,7 @@ def oracle_setup(asynchrony: dict):
     def trained(server: dict, client: int, event: int) -> Message:
         task = engine.tasks_for_round(event, [client])[0]
         message = engine.algorithm.server_message(server, event)
-        return engine.algorithm.client_update(message, None, task).upload
+        return run_client(client_program(engine.algorithm), message, None, task).upload
 
     timeline = [(0, 1, 0, 0), (0, 2, 1, 0), (1, 1, 0, 2), (0, 3, 2, 1)]
     return config, x0, trained, timeline
@@ -146,8 +148,11 @@ def test_fedasync_with_alpha_one_and_one_client_at_a_time_is_sequential_sgd():
     for event in range(1, cfg.train.rounds + 1):
         (client,) = sample_clients(cfg.seed, event, list(range(8)), 1)
         task = engine.tasks_for_round(event, [client])[0]
-        upload = engine.algorithm.client_update(
-            engine.algorithm.server_message(server, event), None, task
+        upload = run_client(
+            client_program(engine.algorithm),
+            engine.algorithm.server_message(server, event),
+            None,
+            task,
         ).upload
         server = {"params": upload["params"], "buffers": upload["buffers"]}
     result = run(config)

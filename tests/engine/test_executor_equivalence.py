@@ -265,7 +265,9 @@ def test_vectorized_executor_runs_every_algorithm_in_chunks(algorithm, monkeypat
     del train["local_epochs"]
     train.update({"local_steps": 3, "stragglers": 0.0, "rounds": 2})
     fedloom.run(cfg, write=False, progress=False)
-    clients = 1 if ALGORITHMS.get(algorithm).pooled else 5  # centralized: one pooled client
+    clients = (
+        1 if ALGORITHMS.get(algorithm).capabilities.pooled else 5
+    )  # centralized: one pooled client
     assert widths and min(widths) == clients, widths
 
 

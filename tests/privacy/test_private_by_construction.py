@@ -16,8 +16,8 @@ import torch
 
 import fedloom
 from fedloom.algorithms import ALGORITHMS
-from fedloom.algorithms.base import SGDProgram
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.core.functional import FunctionalModel
 from fedloom.solvers.dpsgd import DPSGD
 from fedloom.solvers.ops import AUTOGRAD, DP_BATCH, PrivacyRefused, private_update
@@ -171,7 +171,9 @@ def test_k_private_gradients_a_step_are_each_noised_sigma_sqrt_k():
 
 # -- every algorithm that declares it is private -----------------------------------------------
 
-SUPPORTED = sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).supports_sample_dp)
+SUPPORTED = sorted(
+    n for n in ALGORITHMS.names() if ALGORITHMS.get(n).capabilities.supports_sample_dp
+)
 
 
 def farthest(a: fedloom.RunResult, b: fedloom.RunResult) -> float:

@@ -238,7 +238,7 @@ def test_models_with_buffers_are_refused():
         fedloom.run(config, write=False, progress=False)
 
 
-SUPPORTED = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).supports_sample_dp]
+SUPPORTED = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).capabilities.supports_sample_dp]
 
 
 @pytest.mark.parametrize("algorithm", SUPPORTED)

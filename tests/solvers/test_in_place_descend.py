@@ -8,7 +8,7 @@ import torch
 from torch.func import vmap
 
 import fedloom
-from fedloom.algorithms.base import PlainSGDProgram
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.models import MLP
 from fedloom.solvers.ops import AUTOGRAD, FUNC, FUNC_IN_PLACE, FuncOps
 from tests.engine.test_executor_equivalence import assert_same, config

@@ -72,8 +72,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram, aggregate_models
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, aggregate_models
 from fedloom.algorithms.local_optimizer import LocalOptimizer
+from fedloom.algorithms.sgd_program import StepProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone

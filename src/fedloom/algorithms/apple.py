@@ -54,8 +54,11 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, StepProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.peers import model_table, table_bytes, training_clients, with_uploads
+from fedloom.algorithms.sgd_program import StepProgram
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
@@ -98,11 +101,21 @@ def personalized(cores: Tree, p: torch.Tensor) -> Tree:
     return {k: torch.tensordot(p.to(v.dtype), v, dims=1) for k, v in cores.items()}
 
 
+class CoreWire(Wire):
+    """Each client downloads the M core models it is sent."""
+
+    algorithm: APPLE
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        return table_bytes(message["cores"], self.algorithm.peers_each, clients)
+
+
 class APPLE(Algorithm):
     name = "apple"
     summary = "APPLE: personalized mixtures of peers' core models with learned weights (Luo, Wu)"
     Config = APPLEConfig
-    has_global_model = False
+    capabilities = Capabilities(has_global_model=False)
+    Wire = CoreWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -118,9 +131,6 @@ class APPLE(Algorithm):
 
     def server_message(self, server: State, round: int = 0) -> Message:
         return {"cores": server["models"]}
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        return table_bytes(message["cores"], self.peers_each, clients)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return {**server, "models": with_uploads(server["models"], results)}

@@ -12,5 +12,4 @@ class Centralized(FedAvg):
 
     name = "centralized"
     summary = "Centralized SGD on the pooled training data (upper reference)"
-    communicates = False
-    pooled = True
+    capabilities = FedAvg.capabilities.but(communicates=False, pooled=True)

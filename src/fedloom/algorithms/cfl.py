@@ -50,7 +50,8 @@ from pydantic import Field
 from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.spatial.distance import squareform
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, PlainSGDProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.clusters import (
     average_into,
     best_cluster,
@@ -59,6 +60,8 @@ from fedloom.algorithms.clusters import (
     pick,
     stack,
 )
+from fedloom.algorithms.sgd_program import PlainSGDProgram
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, flatten64, num_bytes
 from fedloom.solvers import ClientProgram
@@ -144,11 +147,27 @@ def cross_similarity(similarity: torch.Tensor, labels: Sequence[int]) -> float:
 BIPARTITIONS = {"optimal": optimal_bipartition, "complete": complete_bipartition}
 
 
+class ClusterWire(Wire):
+    """Each client downloads its cluster's model and moves from it."""
+
+    algorithm: CFL
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """Each client downloads its own cluster's model."""
+        one = pick(message["clusters"], 0), pick(message["cluster_buffers"], 0)
+        return len(clients) * sum(num_bytes(tree) for tree in one)
+
+    def delta(self, message: Message, result: ClientResult) -> Tree | None:
+        start, _ = cluster_model(message, None, _Client(result.client_id))
+        return {key: p - start[key] for key, p in result.upload["params"].items()}
+
+
 class CFL(Algorithm):
     name = "cfl"
     summary = "CFL: FedAvg per cluster; split a cluster by update similarity (Sattler et al.)"
     Config = CFLConfig
-    has_global_model = False
+    capabilities = Capabilities(has_global_model=False)
+    Wire = ClusterWire
 
     def training_clients(self) -> list[int]:
         """The clients that train (held-out new clients excluded)."""
@@ -173,11 +192,6 @@ class CFL(Algorithm):
             "cluster_buffers": server["buffers"],
             "identity": server["identity"],
         }
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads its own cluster's model."""
-        one = pick(message["clusters"], 0), pick(message["cluster_buffers"], 0)
-        return len(clients) * sum(num_bytes(tree) for tree in one)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         clusters = {key: value.clone() for key, value in server["clusters"].items()}
@@ -252,10 +266,6 @@ class CFL(Algorithm):
     def make_program(self) -> ClientProgram:
         return PlainSGDProgram(self, start=cluster_model)
 
-    def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
-        start, _ = cluster_model(message, None, _Client(result.client_id))
-        return {key: p - start[key] for key, p in result.upload["params"].items()}
-
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
@@ -263,11 +273,6 @@ class CFL(Algorithm):
         if c < 0:  # a held-out new client: the cluster that fits its training data
             k = num_clusters(server["clusters"])
             c = best_cluster(self.ctx.model, server["clusters"], server["buffers"], task.data, k)
-        return pick(server["clusters"], c), pick(server["buffers"], c)
-
-    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
-        k = num_clusters(server["clusters"])
-        c = best_cluster(self.ctx.model, server["clusters"], server["buffers"], task.data, k)
         return pick(server["clusters"], c), pick(server["buffers"], c)
 
 

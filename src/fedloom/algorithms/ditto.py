@@ -48,7 +48,6 @@ Deployed (personalized) model: omega_k. Global model: theta.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -56,6 +55,7 @@ import torch
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.client import client_program
 from fedloom.algorithms.schedule import Schedule, schedule_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
@@ -83,8 +83,12 @@ global model: Ditto itself (its own personal models would be dropped)."""
 def horizontal(cls: type[Algorithm]) -> bool:
     """Whether ``cls`` can serve as Ditto's UpdateGlobal/Aggregate: it trains one global
     model by communicating with clients that each hold their own data."""
+    caps = cls.capabilities
     return (
-        cls.has_global_model and cls.communicates and not cls.pooled and cls.name not in NOT_GLOBAL
+        caps.has_global_model
+        and caps.communicates
+        and not caps.pooled
+        and cls.name not in NOT_GLOBAL
     )
 
 
@@ -147,7 +151,9 @@ class Ditto(Algorithm):
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         self.inner: Algorithm = self.global_algorithm(ctx)
-        self.has_global_model = self.inner.has_global_model  # type: ignore[misc]
+        has_global_model = self.inner.capabilities.has_global_model
+        self.capabilities = self.capabilities.but(has_global_model=has_global_model)
+        self.wire = self.inner.wire  # the message and uploads are the global algorithm's
 
     def global_algorithm(self, ctx: AlgorithmContext) -> Algorithm:
         """UpdateGlobal/Aggregate: ``global_algorithm`` built with the same context."""
@@ -170,12 +176,6 @@ class Ditto(Algorithm):
 
     def global_model(self, server: State) -> tuple[Tree, Tree] | None:
         return self.inner.global_model(server["inner"])
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        return self.inner.download_bytes(message, clients)
-
-    def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
-        return self.inner.client_delta(message, result)
 
     def summary_extras(self, server: State) -> dict[str, Any]:
         return self.inner.summary_extras(server["inner"])
@@ -258,7 +258,7 @@ class DittoProgram(ClientProgram):
     def __init__(self, algorithm: Ditto) -> None:
         super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
         self.algorithm = algorithm
-        self.inner = algorithm.inner.client_program()
+        self.inner = client_program(algorithm.inner)
         self.updates = (
             *(Update(u.name, u.plans, self._lift(u.fn)) for u in self.inner.updates),
             Update("personal", (PERSONAL,), self.personal_step),

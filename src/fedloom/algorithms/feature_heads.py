@@ -34,8 +34,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, SGDProgram
-from fedloom.algorithms.fedper import FedPer
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.fedper import FedPer, InitialHead
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -121,6 +122,15 @@ def call_module(module: nn.Module, name: str, params: Tree, *args: torch.Tensor)
     return functional_call(module.get_submodule(name), own, args)
 
 
+class ConditionedInitialHead(InitialHead):
+    """FedPer's new client (the body with the initial head) conditioned on its data."""
+
+    algorithm: FeatureHeads
+
+    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
+        return self.algorithm.conditioned(*super().new_client_model(server, task), task)
+
+
 class FeatureHeads(FedPer):
     """FedPer's sharing of a :class:`HeadBeside` model: the server averages the body and the
     extra modules (``weighting``: n_k / n by default), each client keeps its personalized head
@@ -128,8 +138,11 @@ class FeatureHeads(FedPer):
     conditioning vector is made (``condition``) and which client program trains."""
 
     Model: type[HeadBeside]
-    supports_sample_dp = False  # an objective of its own, not DP-SGD's per-sample loss
-    classification_only = "a classifier head beside the model's"
+    capabilities = FedPer.capabilities.but(
+        supports_sample_dp=False,  # an objective of its own, not DP-SGD's per-sample loss
+        classification_only="a classifier head beside the model's",
+    )
+    Deployment = ConditionedInitialHead
 
     @classmethod
     def model_for(cls, module: FedModel, config: AlgorithmConfig) -> FedModel:
@@ -173,9 +186,6 @@ class FeatureHeads(FedPer):
         """FedPer's (the initial head, fine-tuned with ``finetune_steps``) on the model
         conditioned as the client's training would be."""
         return super().fresh_client_model(*self.conditioned(params, buffers, task), task)
-
-    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
-        return self.conditioned(*super().new_client_model(server, task), task)
 
 
 class FeatureHeadsProgram(SGDProgram):

@@ -59,8 +59,9 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, SGDProgram
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
@@ -105,7 +106,7 @@ class FedALA(FedAvg):
     name = "fedala"
     summary = "FedALA: element-wise adaptive local aggregation of the global model (Zhang 2023)"
     Config = FedALAConfig
-    supports_sample_dp = False
+    capabilities = FedAvg.capabilities.but(supports_sample_dp=False)
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

@@ -53,13 +53,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    PlainSGDProgram,
-    own_model,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.peers import (
     flat_rows,
     model_table,
@@ -69,6 +64,8 @@ from fedloom.algorithms.peers import (
     training_clients,
     with_uploads,
 )
+from fedloom.algorithms.sgd_program import PlainSGDProgram, own_model
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers import ClientProgram
@@ -135,11 +132,22 @@ def cloud_models(
     return cloud, float(xi.diagonal().min())
 
 
+class CloudWire(Wire):
+    """Each client downloads its own cloud model u_i."""
+
+    algorithm: FedAMP
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """Each client downloads its own u_i."""
+        return table_bytes(message["cloud"], 1, clients)
+
+
 class FedAMP(Algorithm):
     name = "fedamp"
     summary = "FedAMP: clients proximal to attention-weighted cloud models of peers (Huang et al.)"
     Config = FedAMPConfig
-    has_global_model = False
+    capabilities = Capabilities(has_global_model=False)
+    Wire = CloudWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -164,10 +172,6 @@ class FedAMP(Algorithm):
 
     def server_message(self, server: State, round: int = 0) -> Message:
         return {"cloud": server["cloud"]}
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads its own u_i."""
-        return table_bytes(message["cloud"], 1, clients)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         models = with_uploads(server["models"], results)

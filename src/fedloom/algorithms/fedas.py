@@ -57,15 +57,12 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    SGDProgram,
-    aggregate_models,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.deployment import LocalPartDeployment
 from fedloom.algorithms.fedproto import class_prototypes
 from fedloom.algorithms.partial import KeySplit
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
@@ -126,8 +123,11 @@ class FedAS(Algorithm):
     name = "fedas"
     summary = "FedAS: parameter alignment and Fisher-weighted body averaging (Yang et al., 2024)"
     Config = FedASConfig
-    classification_only = "class prototypes and the negative log-likelihood's Fisher information"
-    has_global_model = False
+    capabilities = Capabilities(
+        classification_only="class prototypes and the negative log-likelihood's Fisher information",
+        has_global_model=False,
+    )
+    Deployment = LocalPartDeployment
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -231,9 +231,6 @@ class FedAS(Algorithm):
         if int(state["steps"]) == 0:
             return self.local_start(server, state, task)
         return state["params"], state["buffers"]
-
-    def adaptation_keys(self) -> list[str] | None:
-        return list(self.split.local_params)
 
 
 ALIGN = "fedas/align"

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, finetuned_models
+from fedloom.algorithms.base import AlgorithmConfig
+from fedloom.algorithms.deployment import Deployment, finetuned_models
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
@@ -21,25 +22,33 @@ class FedAvgFTConfig(AlgorithmConfig):
     finetune_lr: float | None = Field(default=None, gt=0, description="default: train.lr")
 
 
+class FineTuning(Deployment):
+    """Every client deploys the global model after ``finetune_steps`` SGD steps on its data,
+    all clients at once when the executor runs them stacked."""
+
+    algorithm: FedAvgFT
+
+    def trains(self) -> bool:
+        return self.algorithm.config.finetune_steps > 0  # type: ignore[attr-defined]
+
+    def batched(self, server: State, tasks: Sequence[ClientTask]) -> list[tuple[Tree, Tree]] | None:
+        algorithm = self.algorithm
+        cfg: FedAvgFTConfig = algorithm.config  # type: ignore[assignment]
+        start = (server["params"], server["buffers"])
+        lr = cfg.finetune_lr or algorithm.ctx.lr
+        steps, keys = cfg.finetune_steps, algorithm.finetune_keys()
+        return finetuned_models(algorithm.ctx, start, tasks, steps, "finetune", lr, keys)
+
+
 class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     summary = "FedAvg, then k local fine-tuning steps per client before evaluation"
     Config = FedAvgFTConfig
-
-    def deployment_trains(self) -> bool:
-        return self.config.finetune_steps > 0
+    Deployment = FineTuning
 
     def finetune_keys(self) -> list[str] | None:
         """The parameters the fine-tuning moves (None: all; FedBABU may tune only the head)."""
         return None
-
-    def batched_deployment(
-        self, server: State, tasks: Sequence[ClientTask]
-    ) -> list[tuple[Tree, Tree]] | None:
-        start = (server["params"], server["buffers"])
-        lr = self.config.finetune_lr or self.ctx.lr
-        steps, keys = self.config.finetune_steps, self.finetune_keys()
-        return finetuned_models(self.ctx, start, tasks, steps, "finetune", lr, keys)
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

@@ -39,14 +39,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    AlgorithmConfig,
-    AlgorithmContext,
-    PlainSGDProgram,
-    SGDProgram,
-    aggregate_models,
-)
-from fedloom.algorithms.fedavg_ft import FedAvgFT, FedAvgFTConfig
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, aggregate_models
+from fedloom.algorithms.fedavg_ft import FedAvgFT, FedAvgFTConfig, FineTuning
+from fedloom.algorithms.sgd_program import PlainSGDProgram, SGDProgram
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import num_bytes, select
 from fedloom.errors import ConfigError
@@ -63,11 +59,36 @@ class FedBABUConfig(FedAvgFTConfig):
     )
 
 
+class BABUFineTuning(FineTuning):
+    """FedAvg-FT's deployment; a new client fine-tunes what the deployment does
+    (``finetune_part``)."""
+
+    def adaptation_keys(self) -> list[str] | None:
+        return self.algorithm.finetune_keys()
+
+
+class BodyWire(Wire):
+    """With the head frozen, the clients download the body only."""
+
+    algorithm: FedBABU
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """With the head frozen, the message without the head (every client has it)."""
+        if not self.algorithm.config.freeze_head:
+            return super().download_bytes(message, clients)
+        sent: dict[str, Any] = {**message, "params": select(message["params"], self.algorithm.body)}
+        return len(clients) * sum(num_bytes(tree) for tree in sent.values())
+
+
 class FedBABU(FedAvgFT):
     name = "fedbabu"
     summary = "FedBABU: FedAvg on the body with a frozen random head, fine-tuned per client"
     Config = FedBABUConfig
-    averages_client_models = False  # the upload is the body (with the head frozen)
+    Deployment = BABUFineTuning
+    capabilities = FedAvgFT.capabilities.but(
+        averages_client_models=False,  # the upload is the body (with the head frozen)
+    )
+    Wire = BodyWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -102,19 +123,9 @@ class FedBABU(FedAvgFT):
         params = {**server["params"], **averaged["params"]}
         return {**averaged, "params": {k: params[k] for k in server["params"]}}
 
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """With the head frozen, the message without the head (every client has it)."""
-        if not self.config.freeze_head:
-            return super().download_bytes(message, clients)
-        sent: dict[str, Any] = {**message, "params": select(message["params"], self.body)}
-        return len(clients) * sum(num_bytes(tree) for tree in sent.values())
-
     def finetune_keys(self) -> list[str] | None:
         part = self.config.finetune_part
         return None if part == "full" else list(self.head if part == "head" else self.body)
-
-    def adaptation_keys(self) -> list[str] | None:
-        return self.finetune_keys()
 
 
 class BodySGDProgram(SGDProgram):

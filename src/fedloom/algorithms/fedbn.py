@@ -18,7 +18,7 @@ One round (the paper's Algorithm 1)::
               upload the non-BN part, keep new BN_k   # local_finish
     server:   w <- sum_k n_k w_k / sum_k n_k           # aggregate (non-BN only)
 
-There is no single global model (``has_global_model = False``): client k deploys the shared
+There is no single global model (``Capabilities.has_global_model``): client k deploys the shared
 parameters with its own BN state. A client that never trained (a held-out new client,
 ``eval.new_clients``, or one never sampled) has no BN history; it deploys the shared parameters
 with the initial BN affine parameters and running statistics calibrated on its own training
@@ -40,7 +40,9 @@ from fedloom.solvers.norm_calibration import calibrate_norm_stats
 class FedBN(PartialSharing):
     name = "fedbn"
     summary = "FedBN: FedAvg on non-BN parameters, BN parameters and statistics stay local"
-    supports_sample_dp = False  # its point is BatchNorm, whose batch statistics mix samples
+    capabilities = PartialSharing.capabilities.but(
+        supports_sample_dp=False,  # its point is BatchNorm, whose batch statistics mix samples
+    )
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         module = ctx.model.module

@@ -43,14 +43,11 @@ from collections.abc import Sequence
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    PlainSGDProgram,
-    aggregate_models,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.weights import Weighting, aggregation_weight, weighting_field
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, num_bytes
 from fedloom.solvers import ClientProgram
@@ -113,12 +110,26 @@ def collaborators(rates: torch.Tensor, t: int, beta: float) -> torch.Tensor:
     return eye | ((rates >= threshold) & ~eye)
 
 
+class PersonalWire(Wire):
+    """Each client downloads its own personalized model."""
+
+    algorithm: FedCAC
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """Each client downloads its own personalized model and the averaged buffers."""
+        own = num_bytes(message["personal"]) // self.algorithm.m
+        return len(clients) * (own + num_bytes(message["buffers"]))
+
+
 class FedCAC(Algorithm):
     name = "fedcac"
     summary = "FedCAC: critical parameters shared among similar clients, the rest with everyone"
     Config = FedCACConfig
-    has_global_model = False
-    supports_sample_dp = True
+    capabilities = Capabilities(
+        has_global_model=False,
+        supports_sample_dp=True,
+    )
+    Wire = PersonalWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -147,11 +158,6 @@ class FedCAC(Algorithm):
 
     def server_message(self, server: State, round: int = 0) -> Message:
         return {"personal": server["personal"], "buffers": server["buffers"]}
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads its own personalized model and the averaged buffers."""
-        own = num_bytes(message["personal"]) // self.m
-        return len(clients) * (own + num_bytes(message["buffers"]))
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         if not results:

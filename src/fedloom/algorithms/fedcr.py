@@ -115,9 +115,10 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, SGDProgram
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedgen import at_step
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -237,9 +238,11 @@ class ClassStatistics:
 class FedCR(FedPer):
     name = "fedcr"
     summary = "FedCR: FedPer with a stochastic representation aligned class-wise across clients"
-    supports_sample_dp = False  # its own variational step
+    capabilities = FedPer.capabilities.but(
+        supports_sample_dp=False,  # its own variational step
+        classification_only="class-wise statistics",
+    )
     Config = FedCRConfig
-    classification_only = "class-wise statistics"
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

@@ -48,8 +48,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, SGDProgram
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
@@ -81,9 +82,11 @@ class FedDBE(FedAvg):
     name = "feddbe"
     summary = "FedDBE: FedAvg with a personal representation bias and mean regularization (2023)"
     Config = FedDBEConfig
-    classification_only = "a linear classifier head"
-    supports_sample_dp = False
-    averages_client_models = False  # the initialization round also uploads a mean
+    capabilities = FedAvg.capabilities.but(
+        classification_only="a linear classifier head",
+        supports_sample_dp=False,
+        averages_client_models=False,  # the initialization round also uploads a mean
+    )
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

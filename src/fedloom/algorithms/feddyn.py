@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from pydantic import AliasChoices, Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, PlainSGDProgram, average_buffers
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, average_buffers
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, sub, zeros_like
@@ -47,7 +49,7 @@ class FedDynConfig(AlgorithmConfig):
 class FedDyn(Algorithm):
     name = "feddyn"
     summary = "FedDyn: dynamic regularization aligns local and global stationary points"
-    supports_sample_dp = True
+    capabilities = Capabilities(supports_sample_dp=True)
     Config = FedDynConfig
 
     def init_server_state(self, params: Tree, buffers: Tree) -> State:

@@ -45,7 +45,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, SGDProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.algorithms.weights import Weighting, aggregation_weight, weighting_field
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -72,8 +74,10 @@ class FedEM(Algorithm):
     name = "fedem"
     summary = "FedEM: M shared components, per-client mixture weights by EM (Marfoq et al.)"
     Config = FedEMConfig
-    has_global_model = False
-    classification_only = "a mixture of class probabilities"
+    capabilities = Capabilities(
+        has_global_model=False,
+        classification_only="a mixture of class probabilities",
+    )
 
     @classmethod
     def model_for(cls, module: FedModel, config: AlgorithmConfig) -> FedModel:

@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, SGDProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.peers import (
     flat_rows,
     model_table,
@@ -56,6 +57,8 @@ from fedloom.algorithms.peers import (
     training_clients,
     with_uploads,
 )
+from fedloom.algorithms.sgd_program import SGDProgram
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
@@ -114,11 +117,27 @@ def combine(own: Tree, peers: Tree, weights: torch.Tensor) -> Tree:
     return out
 
 
+class PeerWire(Wire):
+    """Each client downloads M peer models and their ids."""
+
+    algorithm: FedFomo
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """M models and their M ids a client."""
+        ids = message["chosen"]["ids"]
+        id_bytes = self.algorithm.peers_each * ids.element_size()
+        return (
+            table_bytes(message["models"], self.algorithm.peers_each, clients)
+            + len(clients) * id_bytes
+        )
+
+
 class FedFomo(Algorithm):
     name = "fedfomo"
     summary = "FedFomo: each client combines M peers' models weighted by first-order gains"
     Config = FedFomoConfig
-    has_global_model = False
+    capabilities = Capabilities(has_global_model=False)
+    Wire = PeerWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -157,12 +176,6 @@ class FedFomo(Algorithm):
             "models": server["models"],
             "chosen": {"ids": self.choose(server["affinity"], round)},
         }
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """M models and their M ids a client."""
-        ids = message["chosen"]["ids"]
-        id_bytes = self.peers_each * ids.element_size()
-        return table_bytes(message["models"], self.peers_each, clients) + len(clients) * id_bytes
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         affinity = server["affinity"].clone()

@@ -87,6 +87,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -232,7 +233,9 @@ class FedGen(Algorithm):
     name = "fedgen"
     summary = "FedGen: a server-trained feature generator regularizes the clients' heads"
     Config = FedGenConfig
-    classification_only = "a generator of features by class"
+    capabilities = Capabilities(
+        classification_only="a generator of features by class",
+    )
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

@@ -37,9 +37,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, PlainSGDProgram
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedproto import linear_head, prototype_upload
 from fedloom.algorithms.partial import HeadBodySplit
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
@@ -63,9 +64,11 @@ class FedGH(HeadBodySplit):
     name = "fedgh"
     summary = "FedGH: local bodies, a global header trained by the server on class prototypes"
     Config = FedGHConfig
-    classification_only = "class-averaged representations"
+    capabilities = HeadBodySplit.capabilities.but(
+        classification_only="class-averaged representations",
+        supports_sample_dp=False,  # the prototypes are computed from raw data
+    )
     personal_head: ClassVar[bool] = False  # the body stays on the client, the header travels
-    supports_sample_dp = False  # the prototypes are computed from raw data
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, aggregate_models
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, weighted_upload
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
@@ -142,8 +143,10 @@ class FedLC(Algorithm):
     name = "fedlc"
     summary = "FedLC: FedAvg with logits calibrated by tau n_c^(-1/4) in the local loss"
     Config = FedLCConfig
-    classification_only = "class counts"
-    averages_client_models = True
+    capabilities = Capabilities(
+        classification_only="class counts",
+        averages_client_models=True,
+    )
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         return aggregate_models(self.ctx, results)

@@ -32,7 +32,9 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, PlainSGDProgram, average_buffers
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, average_buffers
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add
 from fedloom.solvers import ClientProgram
@@ -80,7 +82,10 @@ def normalizer(solver: str, steps: int, lr: float, rho: float, mu: float) -> flo
 class FedNova(Algorithm):
     name = "fednova"
     summary = "FedNova: normalized averaging of heterogeneous local progress (Wang et al., 2020)"
-    supports_sample_dp = True
+    capabilities = Capabilities(
+        supports_sample_dp=True,
+        sgd_only="normalizes each client's progress by ||a_i||_1 of SGD, heavy-ball or prox steps",
+    )
     Config = FedNovaConfig
 
     def make_program(self) -> ClientProgram:
@@ -92,9 +97,6 @@ class FedNova(Algorithm):
             momentum=self.config.rho or 0.0,
             finish=self.local_finish,
         )
-
-    def sgd_only(self) -> str:
-        return "normalizes each client's progress by ||a_i||_1 of SGD, heavy-ball or prox steps"
 
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree | None:
         return proximal_gradient(params, message["params"], self.config.mu or 0.0)

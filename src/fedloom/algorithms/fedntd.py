@@ -91,9 +91,11 @@ def teacher_logits(
 class FedNTD(FedAvg):
     name = "fedntd"
     summary = "FedNTD: FedAvg with not-true-class distillation from the global model"
-    supports_sample_dp = False  # its own distillation objective
+    capabilities = FedAvg.capabilities.but(
+        supports_sample_dp=False,  # its own distillation objective
+        classification_only="not-true classes",
+    )
     Config = FedNTDConfig
-    classification_only = "not-true classes"
 
     def make_program(self) -> ClientProgram:
         return FedNTDProgram(self)

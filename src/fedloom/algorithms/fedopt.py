@@ -34,6 +34,7 @@ import torch
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, aggregate_models
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.core.protocol import ClientResult, State
 from fedloom.core.pytree import Tree, zeros_like
 
@@ -85,8 +86,10 @@ class ServerOptimizer(Algorithm):
     by server_lr * direction.
     """
 
-    averages_client_models = True
-    supports_sample_dp = True
+    capabilities = Capabilities(
+        averages_client_models=True,
+        supports_sample_dp=True,
+    )
 
     slots: ClassVar[tuple[str, ...]] = ("m",)
 

@@ -71,6 +71,7 @@ from fedloom.algorithms.fedproto import (
 from fedloom.algorithms.fedrep import FedRep, FedRepConfig, FedRepProgram
 from fedloom.algorithms.simplex_qp import simplex_qp
 from fedloom.algorithms.weights import Weighting, weighting_field
+from fedloom.algorithms.wire import Wire
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, num_bytes
@@ -125,11 +126,25 @@ def combination_weights(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
+class HeadWire(Wire):
+    """Each client downloads the shared part and its own head."""
+
+    algorithm: FedPAC
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """Each client downloads the body, the known centroids and its own head only."""
+        common = sum(num_bytes(message[k]) for k in ("params", "buffers", "protos"))
+        return len(clients) * (common + num_bytes(message["heads"]) // self.algorithm.m)
+
+
 class FedPAC(FedRep):
     name = "fedpac"
     summary = "FedPAC: body aligned to global centroids, heads combined by per-client QP weights"
     Config = FedPACConfig
-    classification_only = "class centroids and feature statistics"
+    capabilities = FedRep.capabilities.but(
+        classification_only="class centroids and feature statistics",
+    )
+    Wire = HeadWire
     default_head_epochs: ClassVar[int] = HEAD_EPOCHS
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
@@ -163,11 +178,6 @@ class FedPAC(FedRep):
             "protos": {"ids": ids, "mean": server["protos"][ids]},
             "heads": server["heads"],
         }
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads the body, the known centroids and its own head only."""
-        common = sum(num_bytes(message[k]) for k in ("params", "buffers", "protos"))
-        return len(clients) * (common + num_bytes(message["heads"]) // self.m)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         if not results:

@@ -21,7 +21,7 @@ One round::
 with p_k = n_k / n (``weighting: samples``, the paper's FedAvg-style weights, the default) or
 1/K (``uniform``: the plain mean over reporting clients, as in FedCR).
 
-There is no global model (``has_global_model = False``): the body alone cannot classify, and an
+There is no global model (``Capabilities.has_global_model``): the body alone cannot classify, and an
 average of personal heads trained on different label sets is no principled head. Client k
 deploys [w_B, w_k^P]. A client that never trained (a held-out new client, ``eval.new_clients``,
 or one never sampled) deploys the body with the initial head; with ``finetune_steps`` > 0 it
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from fedloom.algorithms.deployment import LocalPartDeployment
 from fedloom.algorithms.meta import adapt
 from fedloom.algorithms.partial import HeadBodySplit, HeadBodySplitConfig
 from fedloom.core.protocol import ClientTask, State
@@ -48,10 +49,21 @@ class FedPerConfig(HeadBodySplitConfig):
     finetune_lr: float | None = Field(default=None, gt=0, description="default: train.lr")
 
 
+class InitialHead(LocalPartDeployment):
+    """A new client starts from the body with the initial head, untuned: the cold-start
+    evaluation fine-tunes the head itself, step by step."""
+
+    algorithm: FedPer
+
+    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
+        return self.algorithm.initial_client_model(server)
+
+
 class FedPer(HeadBodySplit):
     name = "fedper"
     summary = "FedPer: shared body averaged by the server, personal heads stay on clients"
     Config = FedPerConfig
+    Deployment = InitialHead
 
     def fresh_client_model(
         self, params: Tree, buffers: Tree, task: ClientTask
@@ -61,11 +73,6 @@ class FedPer(HeadBodySplit):
         if self.config.finetune_steps > 0:
             params = self.finetune_head(params, buffers, task)
         return params, buffers
-
-    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
-        """The body with the initial head, untuned: the cold-start evaluation fine-tunes the
-        head itself, step by step."""
-        return self.initial_client_model(server)
 
     def finetune_head(self, params: Tree, buffers: Tree, task: ClientTask) -> Tree:
         """``finetune_steps`` SGD steps on the head only (body and buffers unchanged)."""

@@ -50,8 +50,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, own_model
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared
+from fedloom.algorithms.sgd_program import own_model
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -224,8 +226,10 @@ class FedProto(Algorithm):
     name = "fedproto"
     summary = "FedProto: local models regularized to global class prototypes, only those shared"
     Config = FedProtoConfig
-    classification_only = "class prototypes"
-    has_global_model = False
+    capabilities = Capabilities(
+        classification_only="class prototypes",
+        has_global_model=False,
+    )
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

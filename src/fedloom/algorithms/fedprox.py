@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, PlainSGDProgram
+from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.schedule import Schedule, schedule_field
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.core.protocol import Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers import ClientProgram

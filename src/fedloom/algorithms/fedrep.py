@@ -81,7 +81,9 @@ class FedRepConfig(FedPerConfig):
 class FedRep(FedPer):
     name = "fedrep"
     summary = "FedRep: per round, train the personal head (body frozen), then the shared body"
-    supports_sample_dp = False  # its own head and body phases
+    capabilities = FedPer.capabilities.but(
+        supports_sample_dp=False,  # its own head and body phases
+    )
     Config = FedRepConfig
 
     default_head_epochs: ClassVar[int] = HEAD_EPOCHS

@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext, SGDProgram
+from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedavg import FedAvg
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, select
 from fedloom.solvers import Batch, Carry, ClientProgram, ClientRun, Ops
@@ -85,8 +86,10 @@ class FedRoD(FedAvg):
     name = "fedrod"
     summary = "FedRoD: generic head by balanced softmax, averaged; personal head added per client"
     Config = FedRoDConfig
-    classification_only = "class counts"
-    supports_sample_dp = False  # the heads' objectives are its own
+    capabilities = FedAvg.capabilities.but(
+        classification_only="class counts",
+        supports_sample_dp=False,  # the heads' objectives are its own
+    )
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

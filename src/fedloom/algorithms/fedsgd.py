@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from fedloom.algorithms.base import Algorithm, PlainSGDProgram
+from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import add
 from fedloom.solvers import ClientProgram
@@ -23,8 +25,9 @@ class FedSGD(Algorithm):
     name = "fedsgd"
     summary = "FedSGD: one full-batch client gradient per round, server gradient step"
 
-    def sgd_only(self) -> str:
-        return "uploads the gradient read off one SGD step as (w_t - w_1) / eta"
+    capabilities = Capabilities(
+        sgd_only="uploads the gradient read off one SGD step as (w_t - w_1) / eta"
+    )
 
     def client_plan(self, task: ClientTask) -> list[torch.Tensor]:
         return [torch.arange(task.data.num_train)]

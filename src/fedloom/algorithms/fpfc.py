@@ -74,13 +74,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    PlainSGDProgram,
-    own_model,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram, own_model
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, num_bytes
 from fedloom.solvers import ClientProgram
@@ -165,11 +162,22 @@ def connected_components(m: int, edges: list[tuple[int, int]]) -> list[list[int]
     return sorted(groups.values(), key=lambda g: g[0])
 
 
+class ZetaWire(Wire):
+    """Each client downloads its own row zeta_i."""
+
+    algorithm: FPFC
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """What each client really needs: its own zeta_i (one model's bytes)."""
+        return len(clients) * (num_bytes(message["zeta"]) // self.algorithm.m)
+
+
 class FPFC(Algorithm):
     name = "fpfc"
     summary = "FPFC: clusters found by a pairwise SCAD fusion penalty, solved by ADMM"
     Config = FPFCConfig
-    has_global_model = False
+    capabilities = Capabilities(has_global_model=False)
+    Wire = ZetaWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -214,10 +222,6 @@ class FPFC(Algorithm):
 
     def server_message(self, server: State, round: int = 0) -> Message:
         return {"zeta": self.table_tree(server["zeta"], server["params"])}
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """What each client really needs: its own zeta_i (one model's bytes)."""
-        return len(clients) * (num_bytes(message["zeta"]) // self.m)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         """The server step of the pseudocode. The pairwise tables theta and v (the bulk of the

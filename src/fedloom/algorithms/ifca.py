@@ -57,7 +57,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, SGDProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig
+from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.clusters import (
     cluster_losses,
     identity_extras,
@@ -65,7 +66,9 @@ from fedloom.algorithms.clusters import (
     pick,
     stack,
 )
+from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.algorithms.weights import Weighting, aggregation_weight, weighting_field
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import seed_for
@@ -105,11 +108,24 @@ def run_view(result: ClientResult, run: int) -> ClientResult:
     return ClientResult(upload, result.weight, result.loss, client_id=result.client_id)
 
 
+class ClusterWire(Wire):
+    """A client's update is from the cluster model it chose."""
+
+    algorithm: IFCA
+
+    def delta(self, message: Message, result: ClientResult) -> Tree | None:
+        if "params" not in result.upload:
+            return super().delta(message, result)
+        start = pick(message["clusters"], int(result.upload["cluster"]["index"]))
+        return {key: p - start[key] for key, p in result.upload["params"].items()}
+
+
 class IFCA(Algorithm):
     name = "ifca"
     summary = "IFCA: k cluster models, each client trains the one of lowest loss (Ghosh et al.)"
     Config = IFCAConfig
-    has_global_model = False
+    capabilities = Capabilities(has_global_model=False)
+    Wire = ClusterWire
 
     def _choose(self, clusters: Tree, buffers: Tree, data: Any, run: int = 0) -> tuple[int, float]:
         """The identity estimate argmin_j F_i(theta_j) among initialization ``run``'s k models
@@ -252,20 +268,11 @@ class IFCA(Algorithm):
     def make_program(self) -> ClientProgram:
         return IFCAProgram(self)
 
-    def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
-        if "params" not in result.upload:
-            return super().client_delta(message, result)
-        start = pick(message["clusters"], int(result.upload["cluster"]["index"]))
-        return {key: p - start[key] for key, p in result.upload["params"].items()}
-
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask
     ) -> tuple[Tree, Tree]:
         j, _ = self._choose(server["clusters"], server["buffers"], task.data)
         return pick(server["clusters"], j), pick(server["buffers"], j)
-
-    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
-        return self.deployed_model(server, None, task)
 
 
 def init_purpose(run: int) -> str:

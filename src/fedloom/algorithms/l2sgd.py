@@ -49,13 +49,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    PlainSGDProgram,
-    average_buffers,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, average_buffers
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, sub
 from fedloom.core.rng import generator

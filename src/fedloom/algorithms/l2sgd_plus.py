@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms.base import StepProgram
 from fedloom.algorithms.l2sgd import L2SGD, L2SGDConfig
+from fedloom.algorithms.sgd_program import StepProgram
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone, sub
 from fedloom.core.rng import generator

@@ -3,7 +3,9 @@ never communicates. The lower reference of every algorithm card's baselines."""
 
 from __future__ import annotations
 
-from fedloom.algorithms.base import Algorithm, PlainSGDProgram, own_model
+from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram, own_model
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers import ClientProgram
@@ -13,9 +15,11 @@ from fedloom.solvers.local import LocalSolution
 class LocalOnly(Algorithm):
     name = "local"
     summary = "Local-only: each client trains its own model, no communication"
-    supports_sample_dp = True
-    communicates = False
-    has_global_model = False
+    capabilities = Capabilities(
+        supports_sample_dp=True,
+        communicates=False,
+        has_global_model=False,
+    )
 
     def server_message(self, server: State, round: int = 0) -> Message:
         return {}

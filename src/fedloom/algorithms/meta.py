@@ -13,7 +13,7 @@ on its own training data, the inner loop the server meta-learned for::
 with minibatches B_s from the stream (seed, 'adapt', round, client), the same stream the
 engine's cold-start evaluation uses, and lr the algorithm's inner step size (Per-FedAvg: alpha;
 Reptile: train.lr). The cold-start evaluation starts a new client from theta
-(``new_client_model``, the default) and fine-tunes it at ``adaptation_lr``.
+(``Deployment.new_client_model``, the default) and fine-tunes it at ``adaptation_lr``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmContext, finetuned_models
+from fedloom.algorithms.base import Algorithm, AlgorithmContext
+from fedloom.algorithms.deployment import Deployment, finetuned_models
 from fedloom.core.protocol import ClientTask, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.local import local_sgd
@@ -74,30 +75,39 @@ def adapt(
     return solved.params, solved.buffers
 
 
+class Adaptation(Deployment):
+    """Every client deploys theta adapted by ``config.adapt_steps`` SGD steps (see the module
+    doc), all clients at once when the executor runs them stacked."""
+
+    algorithm: AdaptedDeployment
+
+    def trains(self) -> bool:
+        return self.algorithm.config.adapt_steps > 0  # type: ignore[attr-defined]
+
+    def batched(self, server: State, tasks: Sequence[ClientTask]) -> list[tuple[Tree, Tree]] | None:
+        """Every client's adaptation at once (clients without training data keep theta;
+        0 steps: theta itself, one at a time)."""
+        algorithm = self.algorithm
+        theta = algorithm.global_model(server)
+        assert theta is not None
+        steps: int = algorithm.config.adapt_steps  # type: ignore[attr-defined]
+        if not steps:
+            return None
+        lr = algorithm.deployment_lr()
+        return finetuned_models(algorithm.ctx, theta, tasks, steps, ADAPT_PURPOSE, lr)
+
+
 class AdaptedDeployment(Algorithm):
     """Mixin: ``deployed_model`` is the global model after ``config.adapt_steps`` SGD steps at
     ``deployment_lr()`` on the client's training data (see the module doc)."""
 
+    Deployment = Adaptation
+
     def deployment_lr(self) -> float:
         """Step size of the adaptation (default: the algorithm's cold-start step, else
         train.lr)."""
-        lr = self.adaptation_lr()
+        lr = self.deployment.adaptation_lr()
         return lr if lr is not None else self.ctx.lr
-
-    def deployment_trains(self) -> bool:
-        return self.config.adapt_steps > 0  # type: ignore[attr-defined]
-
-    def batched_deployment(
-        self, server: State, tasks: Sequence[ClientTask]
-    ) -> list[tuple[Tree, Tree]] | None:
-        """Every client's adaptation at once (clients without training data keep theta;
-        0 steps: theta itself, one at a time)."""
-        theta = self.global_model(server)
-        assert theta is not None
-        steps: int = self.config.adapt_steps  # type: ignore[attr-defined]
-        if not steps:
-            return None
-        return finetuned_models(self.ctx, theta, tasks, steps, ADAPT_PURPOSE, self.deployment_lr())
 
     def deployed_model(
         self, server: State, state: State | None, task: ClientTask

@@ -94,7 +94,9 @@ def frozen_features(
 class MOON(FedAvg):
     name = "moon"
     summary = "MOON: FedAvg with a model-contrastive loss on the representation"
-    supports_sample_dp = False  # its own contrastive objective
+    capabilities = FedAvg.capabilities.but(
+        supports_sample_dp=False,  # its own contrastive objective
+    )
     Config = MOONConfig
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:

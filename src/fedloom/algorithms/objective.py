@@ -33,14 +33,8 @@ from typing import Any
 
 import torch
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    Finish,
-    SGDProgram,
-    Start,
-    server_model,
-    upload_model,
-)
+from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.sgd_program import Finish, SGDProgram, Start, server_model, upload_model
 from fedloom.algorithms.weights import aggregation_weight
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree

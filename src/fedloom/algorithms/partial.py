@@ -23,13 +23,10 @@ from typing import ClassVar
 
 import torch
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    PlainSGDProgram,
-    aggregate_models,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.deployment import LocalPartDeployment
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -88,11 +85,25 @@ class KeySplit:
         }
 
 
+class FreshLocalPart(LocalPartDeployment):
+    """A new client starts from ``fresh_client_model`` of the shared and initial local part
+    (FedBN: calibrated statistics) and the cold-start evaluation fine-tunes the local part."""
+
+    algorithm: PartialSharing
+
+    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
+        algorithm = self.algorithm
+        return algorithm.fresh_client_model(*algorithm.initial_client_model(server), task)
+
+
 class PartialSharing(Algorithm):
     """Base of the algorithms that federate only part of the model (see the module doc)."""
 
-    has_global_model = False
-    supports_sample_dp = True
+    capabilities = Capabilities(
+        has_global_model=False,
+        supports_sample_dp=True,
+    )
+    Deployment = FreshLocalPart
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -175,15 +186,6 @@ class PartialSharing(Algorithm):
         params = self.split.merge(server["params"], initial["params"])
         buffers = self.split.merge(server["buffers"], initial["buffers"], params=False)
         return params, buffers
-
-    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
-        """``fresh_client_model`` of the shared and initial local part (FedBN: calibrated
-        statistics); the cold-start evaluation then fine-tunes the local part
-        (``adaptation_keys``)."""
-        return self.fresh_client_model(*self.initial_client_model(server), task)
-
-    def adaptation_keys(self) -> list[str] | None:
-        return list(self.split.local_params)
 
 
 class HeadBodySplitConfig(AlgorithmConfig):

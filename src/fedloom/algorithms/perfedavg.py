@@ -35,7 +35,7 @@ benchmarks/README.md, Design measurements.
 
 Deployment (:mod:`fedloom.algorithms.meta`): every client serves w after ``adapt_steps`` SGD
 steps at alpha on its own training data (the paper: one step); new clients in the cold-start
-evaluation start at w and fine-tune at alpha (``adaptation_lr``).
+evaluation start at w and fine-tune at alpha (``Deployment.adaptation_lr``).
 
 With ``train.optimizer: adamw`` (docs/optimizers.md) the outer (meta) step is the local
 optimizer's: w <- AdamW's step at beta on the meta-gradient, its moments zero at every
@@ -61,7 +61,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.local_optimizer import LocalOptimizer
-from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
+from fedloom.algorithms.meta import Adaptation, AdaptedDeployment, adapt_steps_field
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -183,15 +183,21 @@ HESSIAN = "perfedavg/hessian"
 
 
 # -- the algorithm --------------------------------------------------------------------------
+class AlphaAdaptation(Adaptation):
+    """A client (new or deployed) adapts at alpha, the step the model was meta-learned for."""
+
+    def adaptation_lr(self) -> float:
+        return self.algorithm.config.alpha  # type: ignore[attr-defined]
+
+
 class PerFedAvg(AdaptedDeployment, FedAvg):
     name = "perfedavg"
     summary = "Per-FedAvg: federated MAML, a global model meant for one-step adaptation"
-    supports_sample_dp = False  # its own meta-gradient steps
+    capabilities = FedAvg.capabilities.but(
+        supports_sample_dp=False,  # its own meta-gradient steps
+    )
     Config = PerFedAvgConfig
-
-    def adaptation_lr(self) -> float:
-        """A new client fine-tunes at alpha, the step the model was meta-learned for."""
-        return self.config.alpha
+    Deployment = AlphaAdaptation
 
     def make_program(self) -> ClientProgram:
         return PerFedAvgProgram(self)

@@ -55,7 +55,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, PlainSGDProgram
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, num_bytes
 from fedloom.core.rng import generator
@@ -109,11 +112,22 @@ def generate(hnet: Tree, embeddings: torch.Tensor, layers: int, shapes: dict[str
     }
 
 
+class GeneratedWire(Wire):
+    """Each client downloads its own generated model."""
+
+    algorithm: PFedHN
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        """What each client really receives: its own generated model theta_k."""
+        return len(clients) * (num_bytes(message["models"]) // self.algorithm.m)
+
+
 class PFedHN(Algorithm):
     name = "pfedhn"
     summary = "pFedHN: a server hypernetwork generates each client's model from its embedding"
     Config = PFedHNConfig
-    has_global_model = False
+    capabilities = Capabilities(has_global_model=False)
+    Wire = GeneratedWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -176,10 +190,6 @@ class PFedHN(Algorithm):
         """theta_k = H(e_k) for every training client: a (K, *shape) table per tensor."""
         with torch.no_grad():
             return {"models": self.generate(server["hnet"], server["embeddings"])}
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """What each client really receives: its own generated model theta_k."""
-        return len(clients) * (num_bytes(message["models"]) // self.m)
 
     def aggregate(self, server: State, results: list[ClientResult]) -> State:
         """One SGD step on (Theta_h, e) along sum_k c J_k^T (theta_k - theta~_k) (see the
@@ -259,10 +269,10 @@ class PFedHN(Algorithm):
     ) -> tuple[Tree, Tree]:
         """H(e_k) for a training client; a new client's fitted H(e_new)."""
         if task.client_id >= self.m:
-            return self.new_client_model(server, task)
+            return self.fitted_model(server, task)
         return self.generate_one(server, server["embeddings"][task.client_id]), {}
 
-    def new_client_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
+    def fitted_model(self, server: State, task: ClientTask) -> tuple[Tree, Tree]:
         """H(e_new), e_new fitted on the client's training data with H frozen."""
         return self.generate_one(server, self.fit_embedding(server, task)), {}
 

@@ -105,14 +105,9 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    StepProgram,
-    aggregate_models,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
 from fedloom.algorithms.local_optimizer import LocalOptimizer
+from fedloom.algorithms.sgd_program import StepProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, num_bytes, scale

@@ -44,9 +44,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, StepProgram, average_buffers
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, average_buffers
 from fedloom.algorithms.local_optimizer import LocalOptimizer
 from fedloom.algorithms.schedule import Schedule, schedule_field
+from fedloom.algorithms.sgd_program import StepProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone

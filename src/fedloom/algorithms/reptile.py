@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedloom.algorithms.base import AlgorithmConfig, PlainSGDProgram, upload_model
+from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedopt import ServerOptimizer, Slots
 from fedloom.algorithms.meta import AdaptedDeployment, adapt_steps_field
+from fedloom.algorithms.sgd_program import PlainSGDProgram, upload_model
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree

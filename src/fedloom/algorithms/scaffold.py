@@ -23,7 +23,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedloom.algorithms.base import Algorithm, AlgorithmConfig, PlainSGDProgram, average_buffers
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, average_buffers
+from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, add, clone, sub, zeros_like
@@ -42,8 +44,15 @@ class ScaffoldConfig(AlgorithmConfig):
 class Scaffold(Algorithm):
     name = "scaffold"
     summary = "SCAFFOLD: control variates c, c_i correct client drift (Karimireddy et al., 2020)"
-    supports_sample_dp = True
     Config = ScaffoldConfig
+    capabilities = Capabilities(supports_sample_dp=True)
+
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
+        super().__init__(config, ctx)
+        if self.config.option != "I":
+            self.capabilities = self.capabilities.but(
+                sgd_only="option II reads the mean gradient off the SGD trajectory; set option: I"
+            )
 
     def init_server_state(self, params: Tree, buffers: Tree) -> State:
         return {"params": params, "buffers": buffers, "control": zeros_like(params)}
@@ -60,11 +69,6 @@ class Scaffold(Algorithm):
 
     def make_program(self) -> ClientProgram:
         return PlainSGDProgram(self, correction=self.local_correction, finish=self.local_finish)
-
-    def sgd_only(self) -> str:
-        if self.config.option == "I":
-            return ""
-        return "option II reads the mean gradient off the SGD trajectory; set option: I"
 
     def local_correction(self, params: Tree, message: Message, state: State | None) -> Tree:
         assert state is not None

@@ -38,6 +38,7 @@ from typing import Any
 from torch import nn
 
 from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -288,7 +289,7 @@ class AutoExecutor:
         sizes = [b.shape[0] for p in plans for b in p]
         if self._macs is None:
             self._macs = max(1, macs_per_sample(module, tasks[0].data.x_train[0]))
-        program = algorithm.client_program()
+        program = client_program(algorithm)
         return Shape(
             clients=len(tasks),
             steps=sum(len(p) for p in plans) / len(plans),

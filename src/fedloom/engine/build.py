@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fedloom.algorithms import ALGORITHMS, Algorithm, AlgorithmContext, build_algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.config import RunConfig, check_client_counts
 from fedloom.core import pytree
 from fedloom.core.files import one_line
@@ -162,7 +163,7 @@ def build_parts(
         mechanisms.data,
         train_ids,
         config.train.clients_per_round,
-        algorithm.pooled,
+        algorithm.capabilities.pooled,
         poisson=mechanisms.poisson_clients,
     )
     evaluation = Evaluation()
@@ -226,7 +227,7 @@ def make_algorithm(
         optimizer=train.optimizer.adamw(),
     )
     algorithm = build_peft_algorithm(config, ctx) or build_algorithm(config.algorithm, ctx)
-    program = algorithm.client_program()
+    program = client_program(algorithm)
     if sample_dp is not None and getattr(program, "private", None) is None:
         raise ConfigError(  # declared, but its program has a step of its own
             f"privacy.kind: sample_dp: {algorithm.name}'s client program does not take DP-SGD steps"

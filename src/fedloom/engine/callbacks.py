@@ -184,7 +184,7 @@ class HealthMonitor(Callback):
             return {}
         tick = time.perf_counter()
         deltas = {
-            t.client_id: ctx.algorithm.client_delta(report.message, r)
+            t.client_id: ctx.algorithm.wire.delta(report.message, r)
             for t, r in zip(report.tasks, report.results, strict=True)
         }
         health = update_statistics(
@@ -313,7 +313,7 @@ class ColdStart(Callback):
         if not ctx.new_ids:
             return {}
         cfg, algorithm = ctx.config, ctx.algorithm
-        lr = cfg.eval.adapt_lr or algorithm.adaptation_lr() or cfg.train.lr
+        lr = cfg.eval.adapt_lr or algorithm.deployment.adaptation_lr() or cfg.train.lr
         curve = adaptation_curve(
             algorithm,
             state.server,

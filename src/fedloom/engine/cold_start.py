@@ -3,9 +3,9 @@
 docs/cold_start.md: a new client uses theta directly or fine-tunes it for 1-5 steps, and the
 adaptation efficiency is the number of fine-tuning steps a new client needs. The
 ``eval.new_clients`` held-out clients never take part in training. At the end of the run each one is
-served the algorithm's way (``Algorithm.new_client_model``: the global model, a meta-learned
-initialization, the shared body with a fresh head, a hypernetwork's model from a fitted embedding)
-and then fine-tunes it on its own training data::
+served the algorithm's way (``Deployment.new_client_model``, algorithms/deployment.py: the
+global model, a meta-learned initialization, the shared body with a fresh head, a hypernetwork's
+model from a fitted embedding) and then fine-tunes it on its own training data::
 
     w_0 = new_client_model(server, client)
     w_s = w_{s-1} - lr grad F_k(w_{s-1}; B_s)      s = 1..max(steps), on adaptation_keys only
@@ -77,7 +77,7 @@ def _stacked_counts(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     model, ctx = algorithm.ctx.model, algorithm.ctx
     datas = list(clients.values())
     tasks = [ClientTask.order(cid, data, lr, round) for cid, data in clients.items()]
-    starts = [algorithm.new_client_model(server, t) for t in tasks]
+    starts = [algorithm.deployment.new_client_model(server, t) for t in tasks]
     plans = [ctx.make_plan(t.data, steps[-1], "adapt", round, t.client_id) for t in tasks]
     augments = [
         ctx.make_plan.augmentation(p, "adapt", round, t.client_id)
@@ -103,7 +103,7 @@ def _stacked_counts(setup: Adaptation) -> dict[int, list[EvalCounts]]:
         datas,
         plans,
         lr,
-        trainable=algorithm.adaptation_keys(),
+        trainable=algorithm.deployment.adaptation_keys(),
         on_step=record,
         augments=augments,
     )
@@ -126,7 +126,7 @@ def _counts_one_at_a_time(setup: Adaptation) -> dict[int, list[EvalCounts]]:
     per_step: dict[int, list[EvalCounts]] = {s: [] for s in steps}
     for cid, data in clients.items():
         task = ClientTask.order(cid, data, lr, round)
-        params, buffers = algorithm.new_client_model(server, task)
+        params, buffers = algorithm.deployment.new_client_model(server, task)
 
         def record(done: int, params: Tree, buffers: Tree, data: ClientData = data) -> None:
             if done in per_step:
@@ -148,7 +148,7 @@ def _counts_one_at_a_time(setup: Adaptation) -> dict[int, list[EvalCounts]]:
                 data.y_train,
                 plan,
                 lr,
-                trainable=algorithm.adaptation_keys(),
+                trainable=algorithm.deployment.adaptation_keys(),
                 augment=algorithm.ctx.make_plan.augmentation(plan, "adapt", round, cid),
                 on_step=lambda done, lean, record=record: (
                     record(done, lean.params(), lean.buffers_copy()) if done in per_step else None

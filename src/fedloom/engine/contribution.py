@@ -209,7 +209,7 @@ class IncentiveLedger:
     def pay(self, ctx: RunContext, report: RoundReport) -> None:
         """Every scheme pays this round's budget to the round's participants."""
         assert self.book is not None
-        communicates = ctx.algorithm.communicates
+        communicates = ctx.algorithm.capabilities.communicates
         cost: dict[int, float] = {}
         samples: dict[int, float] = {}
         for task, result in zip(report.tasks, report.results, strict=True):

@@ -45,6 +45,6 @@ class Executor(Protocol):
     def deployed_models(
         self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
     ) -> list[tuple[Tree, Tree]]:
-        """Every client's deployed model (Algorithm.deployed_models), where this executor
-        runs clients: fine-tuning deployments (FedAvg-FT) train there too."""
+        """Every client's deployed model (``Deployment.deployed_models``), where this
+        executor runs clients: fine-tuning deployments (FedAvg-FT) train there too."""
         ...

@@ -59,7 +59,7 @@ class Mechanisms(MechanismChain):
         """What the builders read of this run (core/mechanism.py)."""
         config, train = self.config, self.config.train
         per_round = train.clients_per_round or len(self.train_ids)
-        pooled = ALGORITHMS.get(config.algorithm.name).pooled
+        pooled = ALGORITHMS.get(config.algorithm.name).capabilities.pooled
 
         def run_steps(client: int, n: int) -> int:
             return most_steps(train, client, n) * train.rounds

@@ -5,7 +5,7 @@ Per evaluated round (``eval.every``, so the cost is paid only when metrics are w
 the round's reporting clients and the server's model:
 
 - update norms ||Delta_k|| of the clients' round updates (Delta_k: what the client's round
-  moved, ``Algorithm.client_delta``) as min / P10 / P50 / P90 / max / mean, and per client;
+  moved, ``Wire.delta``, algorithms/wire.py) as min / P10 / P50 / P90 / max / mean, and per client;
 - the pairwise cosine similarity matrix cos(Delta_i, Delta_j) of up to ``monitor.clients``
   reporting clients (shown as a heatmap in the report);
 - the gradient dissimilarity (the global variance sigma_g^2 of Reddi et al., ICLR 2021,

@@ -73,7 +73,7 @@ class RoundPipeline:
         mechanisms.on_dispatch(round, tasks)
         ids = [t.client_id for t in tasks]
         results = self.executor.run_round(algorithm, message, tasks, state.clients.get_many(ids))
-        communicates = algorithm.communicates
+        communicates = algorithm.capabilities.communicates
         # a result screened out still crossed the network: counted before screening
         sizes = {r.client_id: mechanisms.send(round, r) if communicates else 0 for r in results}
         kept = screen(tasks, results, round, algorithm.config.model_dump(), cfg.train)
@@ -83,7 +83,7 @@ class RoundPipeline:
             log.warning("round %d: every client's result was non-finite and dropped", round)
         for task, result in zip(kept.tasks, kept.results, strict=True):
             result.upload = mechanisms.on_upload(result.upload, task.client_id, round)
-        down = algorithm.download_bytes(message, clients) if communicates else 0
+        down = algorithm.wire.download_bytes(message, clients) if communicates else 0
         steps = {t.client_id: len(t.plan) for t in tasks}
         down = mechanisms.download_bytes(down)
         return Dispatch(message, kept.tasks, kept.results, sizes, steps, down)

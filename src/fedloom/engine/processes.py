@@ -190,7 +190,7 @@ class MultiprocessExecutor:
     ) -> list[tuple[Tree, Tree]]:
         """Deployments that train (fine-tuning) spread over the processes; the others here
         (reading a client's stored model costs less than shipping it)."""
-        if not algorithm.deployment_trains() or not self._forked_with(tasks):
+        if not algorithm.deployment.trains() or not self._forked_with(tasks):
             return self.inner.deployed_models(algorithm, server, states, tasks)
         groups = balanced_groups([1] * len(tasks), self.workers)
         return self._spread(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -10,6 +11,7 @@ from fedloom.engine.evaluation import evaluate_each
 from fedloom.engine.executor import States
 from fedloom.engine.memory import keep_large_blocks_in_heap
 from fedloom.engine.metrics import EvalCounts
+from fedloom.solvers.sequential import run_client
 
 
 class SequentialExecutor:
@@ -40,9 +42,10 @@ class SequentialExecutor:
     def deployed_models(
         self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
     ) -> list[tuple[Tree, Tree]]:
-        return algorithm.deployed_models(server, states, tasks)
+        return algorithm.deployment.deployed_models(server, states, tasks)
 
     def run_round(
         self, algorithm: Algorithm, message: Message, tasks: list[ClientTask], states: States
     ) -> list[ClientResult]:
-        return [algorithm.client_update(message, s, t) for t, s in zip(tasks, states, strict=True)]
+        program = client_program(algorithm)
+        return [run_client(program, message, s, t) for t, s in zip(tasks, states, strict=True)]

@@ -255,7 +255,7 @@ def check_routable(ctx: RunContext) -> None:
             "serving.route: confidence routes by softmax confidence: classification only "
             f"({ctx.data.name} is {ctx.data.task})"
         )
-    if not ctx.algorithm.has_global_model:
+    if not ctx.algorithm.capabilities.has_global_model:
         raise ConfigError(
             f"serving.route: confidence routes to the global model; {ctx.algorithm.name} has none"
         )

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fedloom.algorithms.base import Algorithm
+from fedloom.algorithms.client import client_program
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -76,7 +77,7 @@ class VectorizedExecutor:
         self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
     ) -> list[tuple[Tree, Tree]]:
         """Deployment fine-tuning stacked, every client at once."""
-        return algorithm.deployed_models(server, states, tasks, batched=True)
+        return algorithm.deployment.deployed_models(server, states, tasks, batched=True)
 
     def evaluate(
         self, models: list[tuple[Tree, Tree]], datas: list[ClientData], batch_size: int
@@ -114,7 +115,7 @@ class VectorizedExecutor:
     ) -> list[ClientResult]:
         if not tasks:
             return []
-        program = algorithm.client_program()
+        program = client_program(algorithm)
         plans = [program.plans(message, s, t) for s, t in zip(states, tasks, strict=True)]
         # shape[0], not len(): Tensor.__len__ is a Python-level call, paid once per minibatch
         # (benchmarks/README.md, Design measurements)

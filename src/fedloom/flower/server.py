@@ -184,7 +184,7 @@ class FlowerExecutor:
         self, algorithm: Algorithm, server: State, states: States, tasks: list[ClientTask]
     ) -> list[tuple[Tree, Tree]]:
         """On the server, as ``evaluate``."""
-        return algorithm.deployed_models(server, states, tasks)
+        return algorithm.deployment.deployed_models(server, states, tasks)
 
 
 @dataclass

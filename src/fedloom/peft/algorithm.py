@@ -19,15 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fedloom.algorithms.base import (
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmContext,
-    PlainSGDProgram,
-)
+from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedper import FedPer
 from fedloom.algorithms.fedrep import FedRep
 from fedloom.algorithms.partial import PartialSharing
+from fedloom.algorithms.sgd_program import PlainSGDProgram
+from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.peft.sharing import RANK, StrategySharing
@@ -35,12 +32,32 @@ from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
+class StrategyWire(Wire):
+    """Traffic at each client's rank; the deltas on the shared keys (HetLoRA's re-padded)."""
+
+    algorithm: StrategyServer
+
+    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
+        if self.algorithm.round_ranks is None:
+            return super().download_bytes(message, clients)
+        return self.algorithm.sharing.download_bytes(
+            message, [self.algorithm.round_ranks[c] for c in clients]
+        )
+
+    def delta(self, message: Message, result: ClientResult) -> Tree | None:
+        return self.algorithm.sharing.delta(message["params"], result.upload["params"])
+
+
 class StrategyServer(Algorithm):
     """What every algorithm with a PEFT strategy shares: the strategy's server step, the
     traffic at each client's rank, the monitoring's deltas and the summary's ``peft``."""
 
+    Wire = StrategyWire
+
     sharing: StrategySharing
-    _ranks: list[int] | None = None
+    round_ranks: list[int] | None = None
+    """Every client's LoRA rank this round (HetLoRA; ``server_message`` reads them from the
+    server state), for the download bytes at each client's rank."""
 
     def strategy_step(self, server: State, results: list[ClientResult]) -> State:
         """One ``ctx.aggregate`` of the averaged keys (client-level DP, secure aggregation
@@ -56,16 +73,8 @@ class StrategyServer(Algorithm):
 
     def server_message(self, server: State, round: int = 0) -> Message:
         if "ranks" in server:  # the clients' ranks, for this round's download_bytes
-            self._ranks = [int(r) for r in server["ranks"]]
+            self.round_ranks = [int(r) for r in server["ranks"]]
         return super().server_message(server, round)
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        if self._ranks is None:
-            return super().download_bytes(message, clients)
-        return self.sharing.download_bytes(message, [self._ranks[c] for c in clients])
-
-    def client_delta(self, message: Message, result: ClientResult) -> Tree | None:
-        return self.sharing.delta(message["params"], result.upload["params"])
 
     def summary_extras(self, server: State) -> dict[str, Any]:
         spec, population = self.sharing.spec, self.ctx.population
@@ -88,7 +97,7 @@ class StrategyPartial(StrategyServer, PartialSharing):
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext, sharing: StrategySharing):
         self.sharing = sharing
         super().__init__(config, ctx)
-        self.has_global_model = not self.split.local_params  # type: ignore[misc]
+        self.capabilities = self.capabilities.but(has_global_model=not self.split.local_params)
 
     def local_keys(self) -> set[str]:
         return super().local_keys() | self.sharing.personal
@@ -164,7 +173,7 @@ class FedAvgSplit(PartialSharing):
     """FedAvg as a partial-sharing algorithm with nothing local (the strategy adds its
     personal keys); reported under ``algorithm.name``."""
 
-    averages_client_models = True
+    capabilities = PartialSharing.capabilities.but(averages_client_models=True)
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         self.name = config.name  # type: ignore[misc]

@@ -63,7 +63,7 @@ class TrackSharing(StrategyServer):
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext, sharing: StrategySharing):
         self.sharing = sharing
         super().__init__(config, ctx)
-        self.has_global_model = not sharing.personal  # type: ignore[misc]
+        self.capabilities = self.capabilities.but(has_global_model=not sharing.personal)
 
     def _keys(self) -> list[str]:
         return list(self.ctx.model.param_keys)

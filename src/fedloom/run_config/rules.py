@@ -63,15 +63,16 @@ _ALGORITHM_NAME = Setting("algorithm.name")
 @dataclass(frozen=True)
 class Algorithm:
     """The configured algorithm's class has every trait of ``has`` and none of ``lacks``
-    (boolean class attributes of :class:`fedloom.algorithms.Algorithm`)."""
+    (traits of its :class:`fedloom.algorithms.capabilities.Capabilities`)."""
 
     has: tuple[str, ...] = ()
     lacks: tuple[str, ...] = ()
 
     def fits(self, name: str) -> bool:
         cls = ALGORITHMS.get(name)
-        return all(getattr(cls, t) for t in self.has) and not any(
-            getattr(cls, t) for t in self.lacks
+        caps = cls.capabilities
+        return all(getattr(caps, t) for t in self.has) and not any(
+            getattr(caps, t) for t in self.lacks
         )
 
     def holds(self, config: BaseModel) -> bool:

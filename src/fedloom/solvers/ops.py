@@ -288,7 +288,7 @@ def private_update(
             f"privacy.kind: sample_dp: {owner}'s client step {why}. Under sample_dp a step's "
             f"only data gradient is DP-SGD's, through loss_grad / ops.loss_grad / "
             f"SGDProgram.data_grad on the minibatch it is handed, {calls} time(s) a step "
-            "(docs/privacy.md); declare supports_sample_dp = False otherwise"
+            "(docs/privacy.md); declare capabilities.supports_sample_dp = False otherwise"
         )
 
     def guarded(

@@ -57,7 +57,7 @@ def default_metric(cfg: RunConfig) -> str:
     """The global model's validation accuracy (classification) or loss (regression); for an
     algorithm without a global model, the mean over clients of their deployed models'."""
     classification = load_dataset(cfg.data, cfg.seed).task == "classification"
-    if ALGORITHMS.get(cfg.algorithm.name).has_global_model:
+    if ALGORITHMS.get(cfg.algorithm.name).capabilities.has_global_model:
         return "validation.global." + ("accuracy" if classification else "loss")
     return "validation.personalized." + ("accuracy_mean" if classification else "loss_mean")
 
