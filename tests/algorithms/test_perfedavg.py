@@ -1,12 +1,11 @@
-"""Per-FedAvg and Reptile (Fallah et al., NeurIPS 2020, arXiv:2002.07948; Nichol et al., 2018,
-arXiv:1803.02999): the meta-gradients of the three Per-FedAvg variants against finite differences of
-the MAML objective and an independent Hessian, a client's local steps against a transcription of
-Algorithm 1, Reptile's reduction to FedAvg and its server step, the deployed (adapted) models, and
-learning on the shared Fashion-MNIST shards setup.
+"""Per-FedAvg (Fallah, Mokhtari, Ozdaglar, NeurIPS 2020, arXiv:2002.07948): the meta-gradients
+of the three variants against finite differences of the MAML objective and an independent
+Hessian, a client's local steps against a transcription of Algorithm 1, the server's uniform
+mean, the deployed (adapted) model and the cold start at alpha, and learning on the shared
+Fashion-MNIST shards setup.
 
-Neither algorithm keeps client state (their client states are None), so there is no
-kill-and-resume test: a resumed run only needs the server state, which every algorithm's
-checkpoint already carries.
+Per-FedAvg keeps no client state (None), so there is no kill-and-resume test: a resumed run only
+needs the server state, which every algorithm's checkpoint carries.
 """
 
 from __future__ import annotations
@@ -17,10 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
-import fedloom
-from fedloom.algorithms import AlgorithmContext, ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
 from fedloom.algorithms.client import client_program
 from fedloom.algorithms.perfedavg import (
     PerFedAvgConfig,
@@ -28,71 +25,25 @@ from fedloom.algorithms.perfedavg import (
     hessian_vector_product,
     meta_gradient,
 )
-from fedloom.core.functional import FunctionalModel
-from fedloom.core.protocol import ClientData
-from fedloom.core.pytree import Tree, weighted_average
+from fedloom.core.pytree import Tree
 from fedloom.errors import ConfigError
-from fedloom.models import MLP
-from fedloom.models.base import FedModel
-from fedloom.solvers.local import PlanMaker
 from fedloom.solvers.ops import AUTOGRAD
-from fedloom.solvers.program import Batch
 from fedloom.solvers.sequential import run_client
-from tests.algorithms import digits_setup
+from tests.algorithms.meta_setup import (
+    ALPHA,
+    as_batch,
+    batch,
+    check_deployed_is_adapted,
+    directional_fd,
+    flat,
+    grad_of,
+    hessian,
+    run,
+    tiny_ctx,
+    tiny_model,
+    unflat,
+)
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
-
-ALPHA = 0.3
-
-
-class TanhNet(FedModel):
-    """A tiny smooth network (tanh), so that its Hessian is continuous everywhere."""
-
-    head_modules = ("fc2",)
-
-    def __init__(self, d_in: int = 5, hidden: int = 4, classes: int = 3) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, hidden)
-        self.fc2 = nn.Linear(hidden, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def tiny_model() -> tuple[FunctionalModel, Tree]:
-    model = FunctionalModel(TanhNet().double(), "classification")
-    params, _ = model.initial_state(0)
-    return model, params
-
-
-def batch(seed: int, n: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(n, 5, generator=gen, dtype=torch.float64),
-        torch.randint(0, 3, (n,), generator=gen),
-    )
-
-
-def flat(tree: Tree) -> torch.Tensor:
-    return torch.cat([v.reshape(-1) for v in tree.values()])
-
-
-def unflat(vector: torch.Tensor, like: Tree) -> Tree:
-    out, offset = {}, 0
-    for k, v in like.items():
-        out[k] = vector[offset : offset + v.numel()].view_as(v)
-        offset += v.numel()
-    return out
-
-
-def grad_of(model: FunctionalModel, params: Tree, data) -> Tree:
-    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-    grads = torch.autograd.grad(model.loss(leaves, {}, *data), list(leaves.values()))
-    return dict(zip(leaves, grads, strict=True))
-
-
-def as_batch(data) -> Batch:
-    x, y = data
-    return Batch(x, y, torch.ones(y.shape[0], dtype=x.dtype))
 
 
 def meta(model, params, inner, outer, hess, variant, alpha, steps=1) -> SimpleNamespace:
@@ -110,19 +61,6 @@ def maml_objective(model, params: Tree, inner, outer, steps: int = 1) -> float:
         g = grad_of(model, u, inner)
         u = {k: u[k] - ALPHA * g[k] for k in u}
     return float(model.loss(u, {}, *outer))
-
-
-def directional_fd(fn, params: Tree, direction: Tree, h: float = 1e-5) -> float:
-    plus = {k: params[k] + h * direction[k] for k in params}
-    minus = {k: params[k] - h * direction[k] for k in params}
-    return (fn(plus) - fn(minus)) / (2 * h)
-
-
-def hessian(model: FunctionalModel, params: Tree, data) -> torch.Tensor:
-    """The full Hessian of f(.; data) at ``params`` (torch.autograd.functional.hessian)."""
-    return torch.autograd.functional.hessian(
-        lambda v: model.loss(unflat(v, params), {}, *data), flat(params).detach()
-    )
 
 
 # -- the meta-gradient ---------------------------------------------------------------------
@@ -180,23 +118,6 @@ def test_hessian_vector_products_exact_and_finite_difference():
 
 
 # -- one client's round: Algorithm 1, transcribed --------------------------------------------
-def tiny_ctx(n: int = 40, batch_size: int | None = 8) -> tuple[AlgorithmContext, ClientData]:
-    model, _ = tiny_model()
-    x, y = batch(5, n)
-    data = ClientData(x_train=x, y_train=y, x_test=x[:4], y_test=y[:4])
-    ctx = AlgorithmContext(
-        model=model,
-        seed=0,
-        num_clients=4,
-        lr=0.2,
-        batch_size=batch_size,
-        aggregate=weighted_average,
-        make_plan=PlanMaker(0, batch_size),
-        population={0: n, 1: 10, 2: 30, 3: 20},
-    )
-    return ctx, data
-
-
 @pytest.mark.parametrize("straggler", [False, True])
 def test_perfedavg_hf_client_round_is_algorithm_1(straggler):
     ctx, data = tiny_ctx()
@@ -243,26 +164,9 @@ def test_perfedavg_server_is_the_uniform_mean_of_the_uploads():
         assert torch.allclose(new["params"][k], sum(m[k] for m in models) / 3, atol=1e-12)
 
 
-# -- deployment: theta adapted to the client ------------------------------------------------
-@pytest.mark.parametrize(("name", "lr"), [("perfedavg", ALPHA), ("reptile", 0.2)])
-def test_deployed_model_is_theta_after_adapt_steps_sgd_steps(name, lr):
-    ctx, data = tiny_ctx()
-    extra = {"alpha": ALPHA} if name == "perfedavg" else {}
-    for steps in (0, 1, 3):
-        algo = build_algorithm({"name": name, "adapt_steps": steps, **extra}, ctx)
-        server = algo.init_server_state(*ctx.model.initial_state(0))
-        task = ClientTask(0, data, [], ctx.lr, 7)
-        params, _ = algo.deployed_model(server, None, task)
-        if steps == 0:
-            assert params is server["params"]
-            continue
-        w = server["params"]
-        for idx in ctx.make_plan(data, steps, "adapt", 7, 0):
-            g = grad_of(ctx.model, w, (data.x_train[idx], data.y_train[idx]))
-            w = {k: w[k] - lr * g[k] for k in w}
-        assert torch.allclose(flat(params), flat(w), rtol=0, atol=1e-12), steps
-        assert (flat(params) - flat(server["params"])).abs().max() > 1e-3
-    assert build_algorithm({"name": name, **extra}, ctx).config.adapt_steps == 1
+# -- deployment: theta adapted to the client at alpha ---------------------------------------
+def test_deployed_model_is_theta_after_adapt_steps_sgd_steps_at_alpha():
+    check_deployed_is_adapted("perfedavg", ALPHA, alpha=ALPHA)
 
 
 def test_cold_start_adapts_at_alpha_from_theta():
@@ -275,64 +179,6 @@ def test_cold_start_adapts_at_alpha_from_theta():
     assert build_algorithm({"name": "reptile"}, ctx).deployment.adaptation_lr() is None  # train.lr
 
 
-# -- Reptile -------------------------------------------------------------------------------
-def digits_config(algorithm: dict, **train) -> dict:
-    return digits_setup.digits_config(
-        algorithm, partition=digits_setup.DIRICHLET, **{"stragglers": 0.3, **train}
-    )
-
-
-def run(algorithm: dict, **train) -> fedloom.RunResult:
-    return fedloom.run(digits_config(algorithm, **train), write=False, progress=False)
-
-
-@pytest.mark.parametrize("local_steps", [1, 5])
-def test_reptile_with_epsilon_one_is_fedavg(local_steps):
-    fedavg = run({"name": "fedavg"}, local_steps=local_steps)
-    reptile = run(
-        {"name": "reptile", "epsilon": 1.0, "weighting": "samples", "adapt_steps": 0},
-        local_steps=local_steps,
-    )
-    for key, value in fedavg.global_params.items():
-        # measured: 7.5e-9 (the float64 server step rounds back to float32)
-        assert torch.allclose(value, reptile.global_params[key], rtol=0, atol=1e-6), key
-    for c, params in reptile.client_params.items():  # adapt_steps 0: every client deploys theta
-        for key, value in params.items():
-            assert torch.equal(value, reptile.global_params[key]), (c, key)
-    assert fedavg.summary["communication"] == reptile.summary["communication"]
-
-
-def test_reptile_epsilon_scales_the_server_step_exactly():
-    theta0, _ = FunctionalModel(MLP((1, 8, 8), 10), "classification").initial_state(3)
-    full = run({"name": "reptile", "epsilon": 1.0}, rounds=1)
-    half = run({"name": "reptile", "epsilon": 0.5}, rounds=1)
-    for key, start in theta0.items():
-        step_full = full.global_params[key] - start
-        step_half = half.global_params[key] - start
-        assert torch.allclose(step_half, 0.5 * step_full, rtol=0, atol=1e-7), key
-        assert step_full.abs().max() > 1e-3
-
-
-def test_reptile_server_step_with_uniform_weights():
-    ctx, _ = tiny_ctx()
-    algo = build_algorithm({"name": "reptile", "epsilon": 0.3}, ctx)
-    server = algo.init_server_state(*ctx.model.initial_state(0))
-    assert sorted(server) == ["buffers", "params"]  # no optimizer slots
-    gen = torch.Generator().manual_seed(1)
-    phis = [
-        {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in server["params"].items()}
-        for _ in range(2)
-    ]
-    results = [
-        ClientResult({"params": p, "buffers": {}}, ctx.objective_weight(c, "uniform"), 0.0)
-        for c, p in enumerate(phis)
-    ]
-    new = algo.aggregate(server, results)
-    for k, theta in server["params"].items():
-        expected = theta + 0.3 * ((phis[0][k] + phis[1][k]) / 2 - theta)
-        assert torch.allclose(new["params"][k], expected, rtol=0, atol=1e-12), k
-
-
 # -- configuration --------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("algorithm", "key"),
@@ -342,8 +188,6 @@ def test_reptile_server_step_with_uniform_weights():
         ({"name": "perfedavg", "variant": "exact"}, "algorithm.variant"),
         ({"name": "perfedavg", "alpha": 0}, "algorithm.alpha"),
         ({"name": "perfedavg", "adapt_steps": -1}, "algorithm.adapt_steps"),
-        ({"name": "reptile", "epsilon": 0}, "algorithm.epsilon"),
-        ({"name": "reptile", "weighting": "size"}, "algorithm.weighting"),
     ],
 )
 def test_invalid_hyperparameters_name_the_key(algorithm, key):
@@ -371,15 +215,3 @@ def test_perfedavg_beats_fedavg_on_label_shards(data_root):
     result = run_pfl({"name": "perfedavg", "variant": "hf", "alpha": 0.01}, rounds=10)
     accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
     assert accuracy >= fedavg_accuracy_on_clients() + 0.2, accuracy
-
-
-@pytest.mark.slow
-def test_reptile_beats_fedavg_on_label_shards(data_root):
-    # Measured (seed 0, epsilon 1, one adaptation step at train.lr): personalized mean 0.9405
-    # (P10 0.857); epsilon 0.5: 0.9183. FedAvg's global model on the same clients: 0.6215.
-    # Every client holds 2 shards of equal size, so uniform weights are FedAvg's n_k/n and
-    # epsilon 1 trains FedAvg's global model exactly (0.6214 here): the gain is the one
-    # adaptation step (FedAvg + one step at 0.05 on another minibatch, fedavg_ft: 0.9459).
-    result = run_pfl({"name": "reptile"})
-    accuracy = result.summary["final"]["personalized"]["accuracy_mean"]
-    assert accuracy >= fedavg_accuracy_on_clients() + 0.25, accuracy
