@@ -40,11 +40,12 @@ from fedloom.config import parse_config
 from fedloom.data.federated import FederatedData, from_arrays
 from fedloom.engine.loop import Engine, setup_frozen
 from fedloom.engine.state import RunState
+from fedloom.engine.threads import run_threads
 
 EXECUTORS = ("auto", "sequential", "vectorized", "processes")
 """``executor.kind`` values, and ``processes``: the sequential executor with one worker process
 per core. A ``/tN`` suffix (``sequential/t1``) pins N intra-op threads; without it, the
-executor's default (``threads: null``)."""
+count ``Engine.run`` would use (``threads: null``: engine/threads.py, ``run_threads``)."""
 DEFAULT_WORKLOADS = "W1,W2,W3,pfl_cifar10,fedavg_2nn"
 QUICK_CLIENTS = 10
 CONV_SHAPES = (
@@ -306,6 +307,10 @@ class Runner:
             }
         )
         self.engine = Engine(cfg, bench.fed, bench.make_model())
+        if self.threads is None:  # what Engine.run runs under (engine/threads.py)
+            biggest = max(bench.fed.clients, key=lambda c: c.x_train.shape[0])
+            module = self.engine.model.module
+            self.threads = run_threads(cfg.executor, module, biggest.x_train[0], bench.batch_size)
         with round_time.threads(self.threads):
             self.engine.executor.prepare(dict(enumerate(bench.fed.clients)))
         self.st = self.engine.initial_state()
@@ -381,6 +386,7 @@ def measure(
                 "s_per_round": median,
                 "rounds_s": runner.times,
                 "choice": runner.choice(),
+                "threads": runner.threads or os.cpu_count() or 1,
                 "achieved_gflops": flops["total"] / median / 1e9,
                 "roofline_s": floor,
                 "share_of_peak": floor / median,
