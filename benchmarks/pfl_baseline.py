@@ -18,14 +18,21 @@ per-user ``Dataset([x, y])``, no evaluation; a round is timed between two
 module and arrays (roofline.Runner; ``fedloom.run`` does the same per round, plus evaluation).
 Each repeat runs pfl for 1 + ``--rounds``
 rounds, then every fedloom executor for 1 + ``--rounds`` (the first round of each is a warm-up);
-a side's seconds per round is the median of its timed rounds over all repeats.
+a side's seconds per round is the median of its timed rounds over all repeats. Both sides run
+under one OpenMP wait policy: fedloom's ``OMP_WAIT_POLICY=PASSIVE`` (engine/threads.py), or
+with ``--omp-spin`` libgomp's default spinning, which a plain pfl script runs under.
 Exit status 2 when pfl is not installed. See benchmarks/README.md, "pfl_baseline.py".
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+if "--omp-spin" in sys.argv[1:]:
+    # libgomp's default spinning (what a plain PyTorch script such as pfl's runs under); set
+    # before torch loads, and kept by ``import fedloom``, which respects a user's setting
+    os.environ.setdefault("GOMP_SPINCOUNT", "300000")
 if not any(v in os.environ for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
     # what ``import fedloom`` sets before torch loads (engine/threads.py): both sides run
     # under the same OpenMP wait policy (as flower_baseline.py does)
@@ -36,7 +43,6 @@ import importlib.util
 import itertools
 import json
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -227,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="100 clients, at most 10 a round")
     parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument(
+        "--omp-spin",
+        action="store_true",
+        help="both sides under libgomp's default spinning (GOMP_SPINCOUNT=300000) instead of "
+        "fedloom's OMP_WAIT_POLICY=PASSIVE",
+    )
     args = parser.parse_args(argv)
     if importlib.util.find_spec("pfl") is None:
         print(MISSING, file=sys.stderr)
@@ -243,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "pfl_version": version("pfl"),
         "torch_threads": torch.get_num_threads(),
+        "openmp_wait": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
         "settings": {
             n: compare(n, executors, max(1, args.rounds), max(1, args.repeats), args.quick)
             for n in names

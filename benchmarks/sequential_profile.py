@@ -138,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--contenders", default=None, help="comma-separated subset (plain first)")
     args = parser.parse_args(argv)
     runner, clients, contenders = build(args.clients)
+    if args.contenders:
+        names = ["plain", *(n for n in args.contenders.split(",") if n and n != "plain")]
+        contenders = {n: contenders[n] for n in names}
     n_threads = args.threads or runner.threads
     times: dict[str, list[float]] = {k: [] for k in contenders}
     with round_time.threads(n_threads):
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = med / base
             print(f"  {name:<16}{med * 1e3:9.2f} ms {ratio:5.2f}x plain (min {min(ts) * 1e3:.2f})")
         if args.profile:
-            for name in ("plain", "lean"):
+            for name in [n for n in ("plain", "lean") if n in contenders]:
                 print(f"\n== torch.profiler: {name} ({len(clients)} clients)")
                 print(profile(contenders[name]))
     return 0
