@@ -35,6 +35,7 @@ See benchmarks/README.md, "sequential_profile.py".
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -48,6 +49,7 @@ import round_time
 import torch
 from torch.nn import functional as F
 
+from fedloom.engine.context import Callback
 from fedloom.engine.state import RunState
 from fedloom.solvers.local import local_sgd
 
@@ -124,6 +126,37 @@ def build(n_clients: int) -> tuple[roofline.Runner, list[Any], dict[str, Callabl
     return runner, clients, contenders
 
 
+def fedloom_run_rounds(rounds: int, extra: dict[str, Any]) -> list[float]:
+    """``fedloom.run`` of the full ``pfl_cifar10`` setting with the sequential executor and
+    fedloom's defaults (evaluation every 5 rounds, monitoring on) updated by ``extra``: each
+    round's seconds, timed by a callback (evaluation and monitoring rounds included)."""
+    import fedloom
+
+    setting = peer_settings.SETTINGS["pfl_cifar10"]
+    train, test, _ = peer_settings.make_arrays(setting)
+    data = fedloom.data.from_arrays(train=train, test=test)
+    config = peer_settings.fedloom_config(setting, {"kind": "sequential"})
+    config["train"]["rounds"] = rounds
+    for key in ("eval", "monitor", "checkpoint"):
+        config.pop(key)
+    for key, value in extra.items():
+        config[key] = value
+    marks: list[float] = []
+
+    class Clock(Callback):
+        def on_run_start(self, ctx: Any, state: Any) -> None:
+            marks.append(time.perf_counter())
+
+        def on_round_end(self, ctx: Any, state: Any, report: Any) -> dict[str, Any]:
+            marks.append(time.perf_counter())  # after the round's evaluation and monitoring
+            return {}
+
+    fedloom.run(
+        config, data=data, model=setting.model(), write=False, progress=False, callbacks=[Clock()]
+    )
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
 def profile(fn: Callable[[], None], rows: int = 12) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -138,8 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--fedloom-run",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: fedloom.run on the full setting, defaults against evaluation/monitoring off",
+    )
     parser.add_argument("--contenders", default=None, help="comma-separated subset (plain first)")
     args = parser.parse_args(argv)
+    if args.fedloom_run:
+        variants: dict[str, dict[str, Any]] = {
+            "defaults (eval every 5, monitor on)": {},
+            "monitor off": {"monitor": {"enabled": False}},
+            "eval and monitor off": {"eval": {"every": 10**6}, "monitor": {"enabled": False}},
+        }
+        for name, extra in variants.items():
+            rounds = fedloom_run_rounds(args.fedloom_run, extra)
+            text = ", ".join(f"{r:.2f}" for r in rounds)
+            print(f"{name}: s/round [{text}], median {statistics.median(rounds[1:]):.2f}")
+        return 0
     runner, clients, contenders = build(args.clients)
     if args.contenders:
         names = ["plain", *(n for n in args.contenders.split(",") if n and n != "plain")]
