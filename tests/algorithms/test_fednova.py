@@ -94,9 +94,9 @@ def test_fednova_client_without_samples_contributes_nothing(data, solver, monkey
     ``fedloom.run`` now refuses such a client handed in by a user (data/checks.py); data that
     reaches the engine unchecked (an ``Engine`` built directly) still may hold one, so the
     engine's handling is tested with that check switched off."""
-    import fedloom.api
+    import fedloom.horizontal
 
-    monkeypatch.setattr(fedloom.api, "check_data", lambda data, training_clients=None: None)
+    monkeypatch.setattr(fedloom.horizontal, "check_data", lambda data, training_clients=None: None)
     from fedloom.data import FederatedData
     from fedloom.data.federated import ClientData
 
