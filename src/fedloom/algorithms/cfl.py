@@ -63,7 +63,7 @@ from fedloom.algorithms.clusters import (
 from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import Tree, flatten64, num_bytes
+from fedloom.core.pytree import Tree, flatten64
 from fedloom.solvers import ClientProgram
 
 
@@ -147,27 +147,14 @@ def cross_similarity(similarity: torch.Tensor, labels: Sequence[int]) -> float:
 BIPARTITIONS = {"optimal": optimal_bipartition, "complete": complete_bipartition}
 
 
-class ClusterWire(Wire):
-    """Each client downloads its cluster's model and moves from it."""
-
-    algorithm: CFL
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads its own cluster's model."""
-        one = pick(message["clusters"], 0), pick(message["cluster_buffers"], 0)
-        return len(clients) * sum(num_bytes(tree) for tree in one)
-
-    def delta(self, message: Message, result: ClientResult) -> Tree | None:
-        start, _ = cluster_model(message, None, _Client(result.client_id))
-        return {key: p - start[key] for key, p in result.upload["params"].items()}
-
-
 class CFL(Algorithm):
     name = "cfl"
     summary = "CFL: FedAvg per cluster; split a cluster by update similarity (Sattler et al.)"
     Config = CFLConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = ClusterWire
+    wire = Wire(
+        rows={"clusters": 1, "cluster_buffers": 1}, routing=("identity",), delta_from="clusters"
+    )
 
     def training_clients(self) -> list[int]:
         """The clients that train (held-out new clients excluded)."""
@@ -279,13 +266,6 @@ class CFL(Algorithm):
 def grow(stacked: Tree, rows: Sequence[Tree]) -> Tree:
     """``stacked`` with ``rows`` appended as new clusters."""
     return {k: torch.cat([v, stack(rows, [k])[k]]) for k, v in stacked.items()}
-
-
-class _Client:
-    """The one field of a task that ``cluster_model`` reads."""
-
-    def __init__(self, client_id: int) -> None:
-        self.client_id = client_id
 
 
 def cluster_model(message: Message, state: State | None, task: Any) -> tuple[Tree, Tree]:

@@ -68,7 +68,6 @@ of all omega_j.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -79,7 +78,7 @@ from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.sgd_program import PlainSGDProgram, own_model
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import Tree, clone, num_bytes
+from fedloom.core.pytree import Tree, clone
 from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
@@ -162,22 +161,12 @@ def connected_components(m: int, edges: list[tuple[int, int]]) -> list[list[int]
     return sorted(groups.values(), key=lambda g: g[0])
 
 
-class ZetaWire(Wire):
-    """Each client downloads its own row zeta_i."""
-
-    algorithm: FPFC
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """What each client really needs: its own zeta_i (one model's bytes)."""
-        return len(clients) * (num_bytes(message["zeta"]) // self.algorithm.m)
-
-
 class FPFC(Algorithm):
     name = "fpfc"
     summary = "FPFC: clusters found by a pairwise SCAD fusion penalty, solved by ADMM"
     Config = FPFCConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = ZetaWire
+    wire = Wire(rows={"zeta": 1})
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
