@@ -53,6 +53,7 @@ from scipy.spatial.distance import squareform
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig
 from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.clusters import (
+    DisjointSets,
     average_into,
     best_cluster,
     identity_extras,
@@ -105,14 +106,7 @@ def optimal_bipartition(similarity: torch.Tensor) -> list[int]:
     similarity until two groups remain (Kruskal's maximum spanning tree less its weakest
     edge). Ties go by index; client 0's group is 0."""
     m = similarity.shape[0]
-    parent = list(range(m))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    sets = DisjointSets(m)
     rows, cols = torch.triu_indices(m, m, offset=1)
     values = similarity[rows, cols]
     order = sorted(range(values.numel()), key=lambda e: (-float(values[e]), e))
@@ -120,12 +114,10 @@ def optimal_bipartition(similarity: torch.Tensor) -> list[int]:
     for e in order:
         if groups == 2:
             break
-        a, b = root(int(rows[e])), root(int(cols[e]))
-        if a != b:
-            parent[max(a, b)] = min(a, b)
+        if sets.union(int(rows[e]), int(cols[e])):
             groups -= 1
-    first = root(0)
-    return [0 if root(i) == first else 1 for i in range(m)]
+    first = sets.find(0)
+    return [0 if sets.find(i) == first else 1 for i in range(m)]
 
 
 def complete_bipartition(similarity: torch.Tensor) -> list[int]:

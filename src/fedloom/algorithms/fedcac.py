@@ -43,6 +43,7 @@ from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
 from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.peers import training_clients
 from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.weights import Weighting, aggregation_weight, weighting_field
 from fedloom.algorithms.wire import Wire
@@ -120,10 +121,7 @@ class FedCAC(Algorithm):
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
-        self.m = len(ctx.population) if ctx.population else ctx.num_clients
-        assert sorted(ctx.population or range(self.m)) == list(range(self.m)), (
-            "fedcac indexes the training clients 0 .. m-1"
-        )
+        self.m = training_clients(ctx, self.name)
 
     def table(self, params: Tree) -> Tree:
         return {k: v.unsqueeze(0).repeat(self.m, *[1] * v.ndim) for k, v in params.items()}
