@@ -74,7 +74,7 @@ from pydantic import Field, model_validator
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, aggregate_models
 from fedloom.algorithms.local_optimizer import LocalOptimizer
-from fedloom.algorithms.sgd_program import StepProgram
+from fedloom.algorithms.sgd_program import StepProgram, model_copy
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
@@ -239,7 +239,7 @@ class APFL(Algorithm):
         one first sampled late) and alpha_k = ``alpha``."""
         params, buffers = server["initial"]["params"], server["initial"]["buffers"]
         state: State = {
-            "personal": {"params": clone(params), "buffers": clone(buffers)},
+            "personal": model_copy(server["initial"]),
             "alpha": torch.tensor(self.config.alpha, dtype=F64),
             "steps": torch.zeros((), dtype=torch.int64),
         }

@@ -48,7 +48,6 @@ apart in 60 local steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -56,7 +55,7 @@ from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.capabilities import Capabilities
-from fedloom.algorithms.peers import model_table, table_bytes, training_clients, with_uploads
+from fedloom.algorithms.peers import model_table, training_clients, with_uploads
 from fedloom.algorithms.sgd_program import StepProgram
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -101,27 +100,18 @@ def personalized(cores: Tree, p: torch.Tensor) -> Tree:
     return {k: torch.tensordot(p.to(v.dtype), v, dims=1) for k, v in cores.items()}
 
 
-class CoreWire(Wire):
-    """Each client downloads the M core models it is sent."""
-
-    algorithm: APPLE
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        return table_bytes(message["cores"], self.algorithm.peers_each, clients)
-
-
 class APPLE(Algorithm):
     name = "apple"
     summary = "APPLE: personalized mixtures of peers' core models with learned weights (Luo, Wu)"
     Config = APPLEConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = CoreWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         self.m = training_clients(ctx, self.name)
         m = self.m
         self.peers_each = m - 1 if self.config.M is None else min(self.config.M, m - 1)
+        self.wire = Wire(rows={"cores": self.peers_each})
         sizes = torch.tensor([float(ctx.population.get(j, 1)) for j in range(m)])
         self.fedavg_weights = sizes / sizes.sum()
 

@@ -11,7 +11,7 @@ is declared beside these, not as methods: the traits the config rules read in on
 :class:`~fedloom.algorithms.capabilities.Capabilities` (``capabilities``), serving many
 clients, fine-tuning and cold start in a :class:`~fedloom.algorithms.deployment.Deployment`
 (``Deployment``), and the bytes and update deltas of what crosses the network in a
-:class:`~fedloom.algorithms.wire.Wire` (``Wire``). The engine enters every algorithm the same
+:class:`~fedloom.algorithms.wire.Wire` (``wire``). The engine enters every algorithm the same
 way: ``client_program(algorithm)`` (algorithms/client.py), run by the backend.
 """
 
@@ -23,10 +23,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedloom.algorithms import deployment, wire
+from fedloom.algorithms import deployment
 from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.weights import objective_weight
+from fedloom.algorithms.wire import Wire
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -85,7 +86,7 @@ when its module is imported (``fedloom.algorithms`` imports every module of the 
 
 class Algorithm:
     """Base class. Subclasses set ``name``, ``summary`` and ``Config`` (and, where they differ
-    from the defaults, ``capabilities``, ``Deployment`` and ``Wire``) and override the hooks;
+    from the defaults, ``capabilities``, ``Deployment`` and ``wire``) and override the hooks;
     setting ``name`` registers the class in ``ALGORITHMS``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -101,14 +102,15 @@ class Algorithm:
     instance whose traits depend on its config replaces it in ``__init__``."""
     Deployment: ClassVar[type[deployment.Deployment]] = deployment.Deployment
     """How its clients are served (``self.deployment``, made with the algorithm)."""
-    Wire: ClassVar[type[wire.Wire]] = wire.Wire
-    """How its messages and uploads are counted and monitored (``self.wire``)."""
+    wire: Wire = Wire()
+    """What its clients download of a message and what an upload moved, declared (counted and
+    monitored by the engine); an instance whose traffic depends on its config or population
+    replaces it in ``__init__``."""
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         self.config = config
         self.ctx = ctx
         self.deployment = self.Deployment(self)
-        self.wire = self.Wire(self)
         self._program: ClientProgram | None = None
         needs = self.capabilities.classification_only
         if needs and ctx.model.task != "classification":

@@ -53,6 +53,7 @@ from scipy.spatial.distance import squareform
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig
 from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.clusters import (
+    DisjointSets,
     average_into,
     best_cluster,
     identity_extras,
@@ -63,7 +64,7 @@ from fedloom.algorithms.clusters import (
 from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import Tree, flatten64, num_bytes
+from fedloom.core.pytree import Tree, flatten64
 from fedloom.solvers import ClientProgram
 
 
@@ -105,14 +106,7 @@ def optimal_bipartition(similarity: torch.Tensor) -> list[int]:
     similarity until two groups remain (Kruskal's maximum spanning tree less its weakest
     edge). Ties go by index; client 0's group is 0."""
     m = similarity.shape[0]
-    parent = list(range(m))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    sets = DisjointSets(m)
     rows, cols = torch.triu_indices(m, m, offset=1)
     values = similarity[rows, cols]
     order = sorted(range(values.numel()), key=lambda e: (-float(values[e]), e))
@@ -120,12 +114,10 @@ def optimal_bipartition(similarity: torch.Tensor) -> list[int]:
     for e in order:
         if groups == 2:
             break
-        a, b = root(int(rows[e])), root(int(cols[e]))
-        if a != b:
-            parent[max(a, b)] = min(a, b)
+        if sets.union(int(rows[e]), int(cols[e])):
             groups -= 1
-    first = root(0)
-    return [0 if root(i) == first else 1 for i in range(m)]
+    first = sets.find(0)
+    return [0 if sets.find(i) == first else 1 for i in range(m)]
 
 
 def complete_bipartition(similarity: torch.Tensor) -> list[int]:
@@ -147,27 +139,14 @@ def cross_similarity(similarity: torch.Tensor, labels: Sequence[int]) -> float:
 BIPARTITIONS = {"optimal": optimal_bipartition, "complete": complete_bipartition}
 
 
-class ClusterWire(Wire):
-    """Each client downloads its cluster's model and moves from it."""
-
-    algorithm: CFL
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads its own cluster's model."""
-        one = pick(message["clusters"], 0), pick(message["cluster_buffers"], 0)
-        return len(clients) * sum(num_bytes(tree) for tree in one)
-
-    def delta(self, message: Message, result: ClientResult) -> Tree | None:
-        start, _ = cluster_model(message, None, _Client(result.client_id))
-        return {key: p - start[key] for key, p in result.upload["params"].items()}
-
-
 class CFL(Algorithm):
     name = "cfl"
     summary = "CFL: FedAvg per cluster; split a cluster by update similarity (Sattler et al.)"
     Config = CFLConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = ClusterWire
+    wire = Wire(
+        rows={"clusters": 1, "cluster_buffers": 1}, routing=("identity",), delta_from="clusters"
+    )
 
     def training_clients(self) -> list[int]:
         """The clients that train (held-out new clients excluded)."""
@@ -279,13 +258,6 @@ class CFL(Algorithm):
 def grow(stacked: Tree, rows: Sequence[Tree]) -> Tree:
     """``stacked`` with ``rows`` appended as new clusters."""
     return {k: torch.cat([v, stack(rows, [k])[k]]) for k, v in stacked.items()}
-
-
-class _Client:
-    """The one field of a task that ``cluster_model`` reads."""
-
-    def __init__(self, client_id: int) -> None:
-        self.client_id = client_id
 
 
 def cluster_model(message: Message, state: State | None, task: Any) -> tuple[Tree, Tree]:

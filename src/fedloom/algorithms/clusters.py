@@ -1,7 +1,8 @@
-"""Cluster bookkeeping shared by the clustered algorithms, IFCA (algorithms/ifca.py) and CFL
-(algorithms/cfl.py): cluster models kept stacked along a leading cluster axis, the loss of
-each on a client's data, the per-cluster average of the uploads, the identity summary and a
-score against planted groups (docs/clustering.md)."""
+"""Cluster bookkeeping shared by the clustered algorithms, IFCA (algorithms/ifca.py), CFL
+(algorithms/cfl.py) and FPFC (algorithms/fpfc.py): cluster models kept stacked along a
+leading cluster axis, the loss of each on a client's data, the per-cluster average of the
+uploads, the identity summary, a score against planted groups (docs/clustering.md) and the
+disjoint sets that merge clients into groups."""
 
 from __future__ import annotations
 
@@ -17,6 +18,28 @@ from fedloom.core.pytree import Tree
 
 Aggregate = Callable[[list[Tree], list[float]], Tree]
 """(trees, weights) -> their weighted mean, or a robust rule's combination (ctx.aggregate)."""
+
+
+class DisjointSets:
+    """Union-find on 0..m-1 (path halving); a merged set's root is its smallest member."""
+
+    def __init__(self, m: int) -> None:
+        self.parent = list(range(m))
+
+    def find(self, i: int) -> int:
+        """The root of ``i``'s set."""
+        parent = self.parent
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(self, i: int, j: int) -> bool:
+        """Merge the sets of ``i`` and ``j``; whether they were apart."""
+        a, b = self.find(i), self.find(j)
+        if a != b:
+            self.parent[max(a, b)] = min(a, b)
+        return a != b
 
 
 def pick(stacked: Tree, cluster: int) -> Tree:

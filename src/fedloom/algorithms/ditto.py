@@ -57,6 +57,7 @@ from pydantic import AliasChoices, Field, ValidationError, field_validator
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.client import client_program
 from fedloom.algorithms.schedule import Schedule, schedule_field
+from fedloom.algorithms.sgd_program import model_copy
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.errors import unknown_name_message
@@ -186,7 +187,7 @@ class Ditto(Algorithm):
         is initialized at the start), and the global algorithm's client state."""
         initial = server["initial"]
         state: State = {
-            "personal": {"params": clone(initial["params"]), "buffers": clone(initial["buffers"])},
+            "personal": model_copy(initial),
             "steps": torch.zeros((), dtype=torch.int64),
         }
         inner = self.inner.init_client_state(server["inner"], client_id)

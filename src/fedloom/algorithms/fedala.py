@@ -61,7 +61,7 @@ from pydantic import Field
 
 from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedavg import FedAvg
-from fedloom.algorithms.sgd_program import SGDProgram
+from fedloom.algorithms.sgd_program import SGDProgram, model_copy
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
@@ -135,7 +135,7 @@ class FedALA(FedAvg):
         """theta_k^0 = theta^0, W_k = 1, no weight learning and no local step yet."""
         initial = server["initial"]
         return {
-            "model": {"params": clone(initial["params"]), "buffers": clone(initial["buffers"])},
+            "model": model_copy(initial),
             "weights": {k: torch.ones_like(initial["params"][k]) for k in self.higher},
             "started": torch.zeros((), dtype=torch.bool),
             "steps": torch.zeros((), dtype=torch.int64),

@@ -47,7 +47,6 @@ client starts from the mean of the clients' latest models.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -59,7 +58,6 @@ from fedloom.algorithms.peers import (
     flat_rows,
     model_table,
     row,
-    table_bytes,
     table_mean,
     training_clients,
     with_uploads,
@@ -132,22 +130,12 @@ def cloud_models(
     return cloud, float(xi.diagonal().min())
 
 
-class CloudWire(Wire):
-    """Each client downloads its own cloud model u_i."""
-
-    algorithm: FedAMP
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads its own u_i."""
-        return table_bytes(message["cloud"], 1, clients)
-
-
 class FedAMP(Algorithm):
     name = "fedamp"
     summary = "FedAMP: clients proximal to attention-weighted cloud models of peers (Huang et al.)"
     Config = FedAMPConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = CloudWire
+    wire = Wire(rows={"cloud": 1})
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

@@ -62,8 +62,8 @@ from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.deployment import LocalPartDeployment
 from fedloom.algorithms.fedproto import class_prototypes
 from fedloom.algorithms.partial import KeySplit
-from fedloom.algorithms.sgd_program import SGDProgram
-from fedloom.core.functional import FunctionalModel
+from fedloom.algorithms.sgd_program import SGDProgram, model_copy
+from fedloom.core.functional import FunctionalModel, evaluation_mode
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.local import LocalSolution, steps_per_epoch
@@ -100,11 +100,9 @@ def fisher_information(
     """The empirical Fisher information's diagonal as the authors compute it: over the
     minibatches of ``batch_size`` of (x, y) in order, in evaluation mode, the sum of the
     squared gradients of each minibatch's mean negative log-likelihood."""
-    module = model.module
-    module.eval()
     total = {k: torch.zeros_like(v) for k, v in params.items()}
     width = int(x.shape[0]) if batch_size is None else batch_size
-    try:
+    with evaluation_mode(model.module):
         for start in range(0, int(x.shape[0]), width):
             leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             xb, yb = x[start : start + width], y[start : start + width]
@@ -114,8 +112,6 @@ def fisher_information(
                 grads = torch.autograd.grad(nll, list(leaves.values()))
             for k, g in zip(leaves, grads, strict=True):
                 total[k].add_(g.detach() ** 2)
-    finally:
-        module.train()
     return total
 
 
@@ -174,12 +170,7 @@ class FedAS(Algorithm):
 
     # -- client ---------------------------------------------------------------------------
     def init_client_state(self, server: State, client_id: int) -> State:
-        initial = server["initial"]
-        return {
-            "params": clone(initial["params"]),
-            "buffers": clone(initial["buffers"]),
-            "steps": torch.zeros((), dtype=torch.int64),
-        }
+        return {**model_copy(server["initial"]), "steps": torch.zeros((), dtype=torch.int64)}
 
     def make_program(self) -> ClientProgram:
         return FedASProgram(self)

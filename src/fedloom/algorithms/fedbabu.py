@@ -34,7 +34,6 @@ steps on the body (``moments: round``; FedBABU keeps no client state for ``clien
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import Field
@@ -44,7 +43,7 @@ from fedloom.algorithms.fedavg_ft import FedAvgFT, FedAvgFTConfig, FineTuning
 from fedloom.algorithms.sgd_program import PlainSGDProgram, SGDProgram
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import num_bytes, select
+from fedloom.core.pytree import select
 from fedloom.errors import ConfigError
 from fedloom.solvers import Batch, Carry, ClientProgram, Ops
 from fedloom.solvers.local import LocalSolution
@@ -67,19 +66,6 @@ class BABUFineTuning(FineTuning):
         return self.algorithm.finetune_keys()
 
 
-class BodyWire(Wire):
-    """With the head frozen, the clients download the body only."""
-
-    algorithm: FedBABU
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """With the head frozen, the message without the head (every client has it)."""
-        if not self.algorithm.config.freeze_head:
-            return super().download_bytes(message, clients)
-        sent: dict[str, Any] = {**message, "params": select(message["params"], self.algorithm.body)}
-        return len(clients) * sum(num_bytes(tree) for tree in sent.values())
-
-
 class FedBABU(FedAvgFT):
     name = "fedbabu"
     summary = "FedBABU: FedAvg on the body with a frozen random head, fine-tuned per client"
@@ -88,7 +74,6 @@ class FedBABU(FedAvgFT):
     capabilities = FedAvgFT.capabilities.but(
         averages_client_models=False,  # the upload is the body (with the head frozen)
     )
-    Wire = BodyWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
@@ -97,6 +82,8 @@ class FedBABU(FedAvgFT):
         params = set(ctx.model.param_keys)
         self.head = [k for k in (head_keys() if callable(head_keys) else []) if k in params]
         self.body = [k for k in ctx.model.param_keys if k not in self.head]
+        if cfg.freeze_head:  # every client holds the head theta_cls^0: the body is sent
+            self.wire = Wire(only={"params": tuple(self.body)})
         if (cfg.freeze_head or cfg.finetune_part != "full") and not (self.head and self.body):
             raise ConfigError(
                 f"algorithm.name: fedbabu splits the model into body and head "

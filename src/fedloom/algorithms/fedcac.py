@@ -38,18 +38,17 @@ refused (the server needs each client's model and mask in the clear).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from pydantic import Field
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
 from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.peers import training_clients
 from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.weights import Weighting, aggregation_weight, weighting_field
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import Tree, num_bytes
+from fedloom.core.pytree import Tree
 from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
@@ -110,17 +109,6 @@ def collaborators(rates: torch.Tensor, t: int, beta: float) -> torch.Tensor:
     return eye | ((rates >= threshold) & ~eye)
 
 
-class PersonalWire(Wire):
-    """Each client downloads its own personalized model."""
-
-    algorithm: FedCAC
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads its own personalized model and the averaged buffers."""
-        own = num_bytes(message["personal"]) // self.algorithm.m
-        return len(clients) * (own + num_bytes(message["buffers"]))
-
-
 class FedCAC(Algorithm):
     name = "fedcac"
     summary = "FedCAC: critical parameters shared among similar clients, the rest with everyone"
@@ -129,14 +117,11 @@ class FedCAC(Algorithm):
         has_global_model=False,
         supports_sample_dp=True,
     )
-    Wire = PersonalWire
+    wire = Wire(rows={"personal": 1})
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
-        self.m = len(ctx.population) if ctx.population else ctx.num_clients
-        assert sorted(ctx.population or range(self.m)) == list(range(self.m)), (
-            "fedcac indexes the training clients 0 .. m-1"
-        )
+        self.m = training_clients(ctx, self.name)
 
     def table(self, params: Tree) -> Tree:
         return {k: v.unsqueeze(0).repeat(self.m, *[1] * v.ndim) for k, v in params.items()}

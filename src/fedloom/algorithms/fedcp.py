@@ -79,7 +79,7 @@ from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
 from fedloom.models.base import FedModel
-from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, Plan, RoundExtent
+from fedloom.solvers import Batch, Carry, ClientProgram, CoveringPlans
 from fedloom.solvers.local import LocalSolution
 
 BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)
@@ -203,22 +203,16 @@ KEY = "fedcp"
 """The carry's key of the Gumbel noise table and the step counter."""
 
 
-class FedCPProgram(FeatureHeadsProgram):
+class FedCPProgram(CoveringPlans, FeatureHeadsProgram):
     """SGD on CE(y_hat, y) + lamda MMD^2 over the body, the CPN and the personalized head, the
     global head frozen. The Gumbel noise of step s sits in row s of a (steps, width, 2, D)
     table in the carry, zero-padded to the round's longest and widest plan
-    (:class:`RoundExtent`), with a step counter; each step's draws take exactly its minibatch
+    (:class:`CoveringPlans`), with a step counter; each step's draws take exactly its minibatch
     size from the stream, whatever the padding."""
 
     def __init__(self, algorithm: FedCP) -> None:
         super().__init__(algorithm, frozen=algorithm.global_keys)
         self.config: FedCPConfig = algorithm.config
-        self.extent = RoundExtent()
-
-    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
-        plans = super().plans(message, state, task)
-        self.extent.add(task.round, plans[BATCHES].batches)
-        return plans
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         carry = super().init(message, state, task)

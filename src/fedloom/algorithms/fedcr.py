@@ -124,7 +124,14 @@ from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
-from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, RoundExtent
+from fedloom.solvers import (
+    Batch,
+    Carry,
+    ClientProgram,
+    ClientRun,
+    CoveringPlans,
+    Ops,
+)
 from fedloom.solvers.adamw import MOMENTS, adamw_step, init_moments
 from fedloom.solvers.steps import descend
 
@@ -364,7 +371,7 @@ def representation_loss(
     return loss, s2
 
 
-class FedCRProgram(SGDProgram):
+class FedCRProgram(CoveringPlans, SGDProgram):
     """FedCR's local step, one client program for both backends: SGD on (23) over the body,
     the head and the variance branch together, the class statistics (21) of the last
     complete epoch accumulated in the carry.
@@ -372,7 +379,7 @@ class FedCRProgram(SGDProgram):
     The carry adds, under ``fedcr``: the variance branch (V, b); the noise eps of every step,
     drawn in ``init`` from the client's stream (seed, 'fedcr', round, client), step by step,
     (S, n_s, d) each, into a table zero-padded to the round's longest and widest plan
-    (:class:`RoundExtent`); the step counter s; the window [first, last) of
+    (:class:`CoveringPlans`); the step counter s; the window [first, last) of
     ``FedCR.statistics_steps``; and the sums of :class:`ClassStatistics`. Step s adds its
     samples to the sums where first <= s < last and the sample is real (``batch.w`` > 0):
     tensor comparisons, no Python branch, so a chunk of clients with their own windows steps
@@ -387,12 +394,6 @@ class FedCRProgram(SGDProgram):
         self.config: FedCRConfig = algorithm.config
         head = algorithm.head_name
         self.head_keys = (f"{head}.weight", f"{head}.bias")
-        self.extent = RoundExtent()
-
-    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
-        plans = super().plans(message, state, task)
-        self.extent.add(task.round, plans[BATCHES].batches)
-        return plans
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         carry = super().init(message, state, task)

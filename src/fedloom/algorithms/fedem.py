@@ -49,6 +49,7 @@ from fedloom.algorithms.base import Algorithm, AlgorithmConfig
 from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.sgd_program import SGDProgram
 from fedloom.algorithms.weights import Weighting, aggregation_weight, weighting_field
+from fedloom.core.functional import evaluation_mode
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.models.base import FedModel
@@ -129,15 +130,12 @@ def mixture_weights(
     q from the components ``params`` and the previous ``log_pi`` (evaluation mode)."""
     if not data.num_train:
         return log_pi
-    module.eval()
-    try:
-        total = torch.zeros_like(log_pi, dtype=torch.float64)
+    total = torch.zeros_like(log_pi, dtype=torch.float64)
+    with evaluation_mode(module):
         for start in range(0, data.num_train, 1024):
             x, y = data.x_train[start : start + 1024], data.y_train[start : start + 1024]
             q = posterior(log_pi, component_losses(module, params, buffers, x, y))
             total += q.double().sum(dim=1)
-    finally:
-        module.train()
     return (total / data.num_train).log().to(log_pi.dtype)
 
 

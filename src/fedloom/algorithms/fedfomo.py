@@ -39,7 +39,6 @@ in the clear.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,7 +51,6 @@ from fedloom.algorithms.peers import (
     model_table,
     row,
     rows,
-    table_bytes,
     table_mean,
     training_clients,
     with_uploads,
@@ -117,32 +115,17 @@ def combine(own: Tree, peers: Tree, weights: torch.Tensor) -> Tree:
     return out
 
 
-class PeerWire(Wire):
-    """Each client downloads M peer models and their ids."""
-
-    algorithm: FedFomo
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """M models and their M ids a client."""
-        ids = message["chosen"]["ids"]
-        id_bytes = self.algorithm.peers_each * ids.element_size()
-        return (
-            table_bytes(message["models"], self.algorithm.peers_each, clients)
-            + len(clients) * id_bytes
-        )
-
-
 class FedFomo(Algorithm):
     name = "fedfomo"
     summary = "FedFomo: each client combines M peers' models weighted by first-order gains"
     Config = FedFomoConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = PeerWire
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
         self.m = training_clients(ctx, self.name)
         self.peers_each = min(self.config.M, self.m - 1)
+        self.wire = Wire(rows={"models": self.peers_each, "chosen": 1})  # M models, their ids
 
     # -- server ---------------------------------------------------------------------------
     def init_server_state(self, params: Tree, buffers: Tree) -> State:

@@ -60,7 +60,7 @@ from fedloom.algorithms.base import Algorithm, AlgorithmConfig, aggregate_models
 from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, weighted_upload
 from fedloom.algorithms.weights import Weighting, weighting_field
-from fedloom.core.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel, evaluation_mode
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
 from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
@@ -132,11 +132,8 @@ def calibrated_loss(
 @torch.no_grad()
 def output_width(model: FunctionalModel, params: Tree, buffers: Tree, x: torch.Tensor) -> int:
     """Number of outputs (classes) of the model, from an evaluation-mode forward pass on x."""
-    model.module.eval()
-    try:
+    with evaluation_mode(model.module):
         return int(model.forward(params, buffers, x[:1]).shape[-1])
-    finally:
-        model.module.train()
 
 
 class FedLC(Algorithm):

@@ -40,7 +40,7 @@ from fedloom.algorithms.base import AlgorithmConfig
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, weighted_upload
 from fedloom.algorithms.weights import Weighting, weighting_field
-from fedloom.core.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel, evaluation_mode
 from fedloom.core.protocol import Message
 from fedloom.core.pytree import Tree
 from fedloom.solvers.program import Batch, Carry, ClientProgram, weighted_mean
@@ -81,11 +81,8 @@ def teacher_logits(
     model: FunctionalModel, params: Tree, buffers: Tree, x: torch.Tensor
 ) -> torch.Tensor:
     """The logits of (params, buffers) on x in evaluation mode, without gradient."""
-    model.module.eval()
-    try:
+    with evaluation_mode(model.module):
         return model.forward(params, buffers, x)
-    finally:
-        model.module.train()
 
 
 class FedNTD(FedAvg):

@@ -53,7 +53,6 @@ raw data outside DP-SGD's steps, and so is FedRep's phased training.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -74,7 +73,7 @@ from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.algorithms.wire import Wire
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import Tree, num_bytes
+from fedloom.core.pytree import Tree
 from fedloom.solvers import Batch, Carry, ClientProgram, Ops
 from fedloom.solvers.local import LocalSolution
 
@@ -126,17 +125,6 @@ def combination_weights(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-class HeadWire(Wire):
-    """Each client downloads the shared part and its own head."""
-
-    algorithm: FedPAC
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """Each client downloads the body, the known centroids and its own head only."""
-        common = sum(num_bytes(message[k]) for k in ("params", "buffers", "protos"))
-        return len(clients) * (common + num_bytes(message["heads"]) // self.algorithm.m)
-
-
 class FedPAC(FedRep):
     name = "fedpac"
     summary = "FedPAC: body aligned to global centroids, heads combined by per-client QP weights"
@@ -144,7 +132,7 @@ class FedPAC(FedRep):
     capabilities = FedRep.capabilities.but(
         classification_only="class centroids and feature statistics",
     )
-    Wire = HeadWire
+    wire = Wire(rows={"heads": 1})
     default_head_epochs: ClassVar[int] = HEAD_EPOCHS
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:

@@ -55,7 +55,7 @@ from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared
 from fedloom.algorithms.sgd_program import own_model
 from fedloom.algorithms.weights import Weighting, weighting_field
-from fedloom.core.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel, evaluation_mode
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.solvers.local import LocalSolution
@@ -103,19 +103,15 @@ def class_moments(
     evaluation mode, shape (num_classes, dim), the mean of ||h(x)||^2 of each class, shape
     (num_classes,) (zero for absent classes, both in float64), and the class counts
     (int64)."""
-    module = model.module
-    module.eval()
     sums = torch.zeros(num_classes, dim, dtype=torch.float64)
     squares = torch.zeros(num_classes, dtype=torch.float64)
     counts = torch.bincount(y, minlength=num_classes)
-    try:
+    with evaluation_mode(model.module):
         for start in range(0, int(x.shape[0]), batch_size):
             _, h = model.forward_with_features(params, buffers, x[start : start + batch_size], head)
             labels, h = y[start : start + batch_size], h.to(torch.float64)
             sums.index_add_(0, labels, h)
             squares.index_add_(0, labels, (h**2).sum(dim=1))
-    finally:
-        module.train()
     per_class = counts.clamp_min(1).to(torch.float64)
     return sums / per_class[:, None], squares / per_class, counts
 

@@ -68,7 +68,6 @@ of all omega_j.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -76,10 +75,12 @@ from pydantic import Field, model_validator
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.capabilities import Capabilities
+from fedloom.algorithms.clusters import DisjointSets
+from fedloom.algorithms.peers import training_clients
 from fedloom.algorithms.sgd_program import PlainSGDProgram, own_model
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import Tree, clone, num_bytes
+from fedloom.core.pytree import Tree, clone
 from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
@@ -144,32 +145,13 @@ def scad_prox(delta: torch.Tensor, lam: float, a: float, xi: float, rho: float) 
 
 def connected_components(m: int, edges: list[tuple[int, int]]) -> list[list[int]]:
     """Components of the graph on 0..m-1 with ``edges``, each sorted, ordered by first member."""
-    parent = list(range(m))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    sets = DisjointSets(m)
     for i, j in edges:
-        ri, rj = root(i), root(j)
-        if ri != rj:
-            parent[max(ri, rj)] = min(ri, rj)
+        sets.union(i, j)
     groups: dict[int, list[int]] = {}
     for i in range(m):
-        groups.setdefault(root(i), []).append(i)
+        groups.setdefault(sets.find(i), []).append(i)
     return sorted(groups.values(), key=lambda g: g[0])
-
-
-class ZetaWire(Wire):
-    """Each client downloads its own row zeta_i."""
-
-    algorithm: FPFC
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """What each client really needs: its own zeta_i (one model's bytes)."""
-        return len(clients) * (num_bytes(message["zeta"]) // self.algorithm.m)
 
 
 class FPFC(Algorithm):
@@ -177,14 +159,11 @@ class FPFC(Algorithm):
     summary = "FPFC: clusters found by a pairwise SCAD fusion penalty, solved by ADMM"
     Config = FPFCConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = ZetaWire
+    wire = Wire(rows={"zeta": 1})
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)
-        self.m = len(ctx.population) if ctx.population else ctx.num_clients
-        assert sorted(ctx.population or range(self.m)) == list(range(self.m)), (
-            "fpfc indexes the training clients 0 .. m-1"
-        )
+        self.m = training_clients(ctx, self.name)
         rows, cols = torch.triu_indices(self.m, self.m, offset=1)
         self.left, self.right = rows, cols
 

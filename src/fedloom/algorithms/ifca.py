@@ -108,24 +108,12 @@ def run_view(result: ClientResult, run: int) -> ClientResult:
     return ClientResult(upload, result.weight, result.loss, client_id=result.client_id)
 
 
-class ClusterWire(Wire):
-    """A client's update is from the cluster model it chose."""
-
-    algorithm: IFCA
-
-    def delta(self, message: Message, result: ClientResult) -> Tree | None:
-        if "params" not in result.upload:
-            return super().delta(message, result)
-        start = pick(message["clusters"], int(result.upload["cluster"]["index"]))
-        return {key: p - start[key] for key, p in result.upload["params"].items()}
-
-
 class IFCA(Algorithm):
     name = "ifca"
     summary = "IFCA: k cluster models, each client trains the one of lowest loss (Ghosh et al.)"
     Config = IFCAConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = ClusterWire
+    wire = Wire(delta_from="clusters")
 
     def _choose(self, clusters: Tree, buffers: Tree, data: Any, run: int = 0) -> tuple[int, float]:
         """The identity estimate argmin_j F_i(theta_j) among initialization ``run``'s k models

@@ -43,7 +43,7 @@ from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedavg import FedAvg
 from fedloom.algorithms.objective import Forward, ObjectiveProgram, Shared, model_result
 from fedloom.algorithms.weights import Weighting, weighting_field
-from fedloom.core.functional import FunctionalModel
+from fedloom.core.functional import FunctionalModel, evaluation_mode
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.errors import ConfigError
@@ -84,11 +84,8 @@ def frozen_features(
     model: FunctionalModel, params: Tree, buffers: Tree, x: torch.Tensor, head: str
 ) -> torch.Tensor:
     """The head's input h(x) of (params, buffers) in evaluation mode, without gradient."""
-    model.module.eval()
-    try:
+    with evaluation_mode(model.module):
         return model.forward_with_features(params, buffers, x, head)[1]
-    finally:
-        model.module.train()
 
 
 class MOON(FedAvg):

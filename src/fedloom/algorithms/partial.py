@@ -26,7 +26,7 @@ import torch
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext, aggregate_models
 from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.deployment import LocalPartDeployment
-from fedloom.algorithms.sgd_program import PlainSGDProgram
+from fedloom.algorithms.sgd_program import PlainSGDProgram, model_copy
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
@@ -133,12 +133,8 @@ class PartialSharing(Algorithm):
 
     # -- client ---------------------------------------------------------------------------
     def init_client_state(self, server: State, client_id: int) -> State:
-        initial = server["initial_local"]
-        return {
-            "params": clone(initial["params"]),
-            "buffers": clone(initial["buffers"]),
-            "steps": torch.zeros((), dtype=torch.int64),
-        }
+        steps = torch.zeros((), dtype=torch.int64)
+        return {**model_copy(server["initial_local"]), "steps": steps}
 
     def make_program(self) -> ClientProgram:
         """Local SGD of [shared, own local part], uploading the shared part."""

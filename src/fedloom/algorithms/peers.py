@@ -5,7 +5,8 @@ The server keeps a *model table*: every training client's latest uploaded parame
 per client, stored as a tree of (m, *shape) tensors (m training clients, ids 0 .. m-1; a client
 never sampled keeps the common initialization). The engine hands one message to all of a
 round's clients, so a message carries a whole table and each client reads the rows meant for
-it; ``table_bytes`` counts what a real deployment sends, only those rows.
+it; the algorithm's ``wire`` counts what a real deployment sends, only those rows
+(algorithms/wire.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from fedloom.algorithms.base import AlgorithmContext
 from fedloom.core.protocol import ClientResult
-from fedloom.core.pytree import Tree, num_bytes
+from fedloom.core.pytree import Tree
 
 
 def training_clients(ctx: AlgorithmContext, name: str) -> int:
@@ -61,11 +62,3 @@ def flat_rows(table: Tree) -> torch.Tensor:
 def table_mean(table: Tree) -> Tree:
     """The unweighted mean of the table's rows (where a held-out new client starts)."""
     return {k: v.mean(dim=0) for k, v in table.items()}
-
-
-def table_bytes(table: Tree, rows_each: int, clients: Sequence[int]) -> int:
-    """Bytes ``clients`` download when each receives ``rows_each`` rows of ``table``."""
-    first = next(iter(table.values()), None)
-    if first is None or first.shape[0] == 0:
-        return 0
-    return len(clients) * rows_each * (num_bytes(table) // first.shape[0])

@@ -48,7 +48,6 @@ fine-tunes all of its parameters from there (the default hooks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -60,7 +59,7 @@ from fedloom.algorithms.capabilities import Capabilities
 from fedloom.algorithms.sgd_program import PlainSGDProgram
 from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
-from fedloom.core.pytree import Tree, num_bytes
+from fedloom.core.pytree import Tree
 from fedloom.core.rng import generator
 from fedloom.errors import ConfigError
 from fedloom.solvers import ClientProgram
@@ -112,22 +111,12 @@ def generate(hnet: Tree, embeddings: torch.Tensor, layers: int, shapes: dict[str
     }
 
 
-class GeneratedWire(Wire):
-    """Each client downloads its own generated model."""
-
-    algorithm: PFedHN
-
-    def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        """What each client really receives: its own generated model theta_k."""
-        return len(clients) * (num_bytes(message["models"]) // self.algorithm.m)
-
-
 class PFedHN(Algorithm):
     name = "pfedhn"
     summary = "pFedHN: a server hypernetwork generates each client's model from its embedding"
     Config = PFedHNConfig
     capabilities = Capabilities(has_global_model=False)
-    Wire = GeneratedWire
+    wire = Wire(rows={"models": 1})
 
     def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
         super().__init__(config, ctx)

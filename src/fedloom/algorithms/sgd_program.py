@@ -68,6 +68,12 @@ def own_model(message: Message, state: State | None, task: ClientTask) -> tuple[
     return state["params"], state["buffers"]
 
 
+def model_copy(initial: State) -> State:
+    """A client's own model at the start: a copy of ``initial``'s params and buffers (Ditto's
+    and APFL's personal model, FedALA's local one, the kept part of partial sharing)."""
+    return {"params": clone(initial["params"]), "buffers": clone(initial["buffers"])}
+
+
 def round_lr(task: ClientTask) -> float:
     """The default step size: ``train.lr`` (as the engine hands it to the round's tasks)."""
     return task.lr

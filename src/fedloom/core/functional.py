@@ -165,6 +165,17 @@ class FunctionalModel:
 
 
 @contextlib.contextmanager
+def evaluation_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Inside the block ``module`` is in evaluation mode (no dropout, BatchNorm on its running
+    statistics), in training mode after it."""
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train()
+
+
+@contextlib.contextmanager
 def head_input(head: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """Inside the block, ``store['h']`` is the input of ``head``'s latest forward call."""
     store: dict[str, torch.Tensor] = {}

@@ -17,6 +17,7 @@ replaces the server's mean by its own step wherever it is not a mean:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedloom.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmContext
@@ -32,32 +33,36 @@ from fedloom.solvers import ClientProgram
 from fedloom.solvers.local import LocalSolution
 
 
+@dataclass(frozen=True)
 class StrategyWire(Wire):
-    """Traffic at each client's rank; the deltas on the shared keys (HetLoRA's re-padded)."""
+    """Traffic at each client's rank; the deltas on the shared keys (HetLoRA's re-padded).
+    Not a declaration: what a client downloads depends on its LoRA rank this round, which
+    HetLoRA's server prunes (docs/peft.md), so the strategy counts it."""
 
-    algorithm: StrategyServer
+    server: StrategyServer = field(kw_only=True, repr=False, compare=False)
 
     def download_bytes(self, message: Message, clients: Sequence[int]) -> int:
-        if self.algorithm.round_ranks is None:
+        ranks = self.server.round_ranks
+        if ranks is None:
             return super().download_bytes(message, clients)
-        return self.algorithm.sharing.download_bytes(
-            message, [self.algorithm.round_ranks[c] for c in clients]
-        )
+        return self.server.sharing.download_bytes(message, [ranks[c] for c in clients])
 
     def delta(self, message: Message, result: ClientResult) -> Tree | None:
-        return self.algorithm.sharing.delta(message["params"], result.upload["params"])
+        return self.server.sharing.delta(message["params"], result.upload["params"])
 
 
 class StrategyServer(Algorithm):
     """What every algorithm with a PEFT strategy shares: the strategy's server step, the
     traffic at each client's rank, the monitoring's deltas and the summary's ``peft``."""
 
-    Wire = StrategyWire
-
     sharing: StrategySharing
     round_ranks: list[int] | None = None
     """Every client's LoRA rank this round (HetLoRA; ``server_message`` reads them from the
     server state), for the download bytes at each client's rank."""
+
+    def __init__(self, config: AlgorithmConfig, ctx: AlgorithmContext) -> None:
+        super().__init__(config, ctx)
+        self.wire = StrategyWire(server=self)
 
     def strategy_step(self, server: State, results: list[ClientResult]) -> State:
         """One ``ctx.aggregate`` of the averaged keys (client-level DP, secure aggregation

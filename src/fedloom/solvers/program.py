@@ -285,6 +285,21 @@ class ClientProgram:
         return None
 
 
+class CoveringPlans(ClientProgram):
+    """A program whose carry holds tables of per-step draws padded to the round's longest and
+    widest plan (FedCP's Gumbel noise, FedCR's eps): it counts every plan it makes in
+    ``extent`` (:class:`RoundExtent`) for ``init`` to read. Put before the program's base."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.extent = RoundExtent()
+
+    def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
+        plans = super().plans(message, state, task)
+        self.extent.add(task.round, plans[BATCHES].batches)
+        return plans
+
+
 def takes_optimizer(program: ClientProgram) -> bool:
     """``takes_optimizer`` as declared by the first class of the program's MRO that defines
     ``step`` or declares it: a subclass that replaces an optimizer-aware step with one of its
