@@ -96,6 +96,21 @@ class RoundRunner(Protocol):
         ...
 
 
+class ConfigRunner:
+    """A :class:`RoundRunner` named by its config's ``algorithm.name`` and ``data.name``, with
+    nothing to save beside config.yaml (the RL and vertical runners)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    @property
+    def name(self) -> tuple[str, str]:
+        return self.cfg.algorithm.name, self.cfg.data.name
+
+    def save_inputs(self, run_dir: RunDir) -> None:
+        """No files beside config.yaml."""
+
+
 class RunFamily(Protocol):
     """A run family of ``fedloom.run``'s registry (api.py): how its config is read and its
     rounds are built."""

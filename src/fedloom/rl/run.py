@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedloom.engine.rundir import RunDir
 from fedloom.engine.shell import (
+    ConfigRunner,
     RunInputs,
     RunResult,
     RunShell,
@@ -82,19 +82,11 @@ class RLFamily:
         return RLRunner(cfg)
 
 
-class RLRunner:
+class RLRunner(ConfigRunner):
     """The rounds of one RL run. It uses one torch thread: its tensors are small, and one
     thread is faster for small steps (engine/threads.py, SMALL_STEP_MACS)."""
 
-    def __init__(self, cfg: RLRunConfig) -> None:
-        self.cfg = cfg
-
-    @property
-    def name(self) -> tuple[str, str]:
-        return self.cfg.algorithm.name, self.cfg.data.name
-
-    def save_inputs(self, run_dir: RunDir) -> None:
-        pass
+    cfg: RLRunConfig
 
     def run(self, shell: RunShell) -> RunResult:
         with torch_threads(1):

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 import numpy as np
 from pydantic import BaseModel
 
-from fedloom.engine.rundir import RunDir
 from fedloom.engine.shell import (
+    ConfigRunner,
     RunInputs,
     RunResult,
     RunShell,
@@ -158,18 +158,14 @@ class VerticalFamily:
         return VerticalRunner(cfg, inputs.data)
 
 
-class VerticalRunner:
+class VerticalRunner(ConfigRunner):
     """The iterations (trees) of one vertical run, on ``data`` or the configured dataset."""
 
+    cfg: VerticalRunConfig
+
     def __init__(self, cfg: VerticalRunConfig, data: VerticalData | None) -> None:
-        self.cfg, self.data = cfg, data
-
-    @property
-    def name(self) -> tuple[str, str]:
-        return self.cfg.algorithm.name, self.cfg.data.name
-
-    def save_inputs(self, run_dir: RunDir) -> None:
-        pass
+        super().__init__(cfg)
+        self.data = data
 
     def run(self, shell: RunShell) -> RunResult:
         cfg, algo = self.cfg, self.cfg.algorithm
