@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fedloom
-from fedloom.algorithms import AlgorithmContext, ClientTask, build_algorithm
+from fedloom.algorithms import AlgorithmContext, ClientResult, ClientTask, build_algorithm
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree, weighted_average
@@ -110,6 +110,22 @@ def digits_config(algorithm: dict, **train) -> dict:
 
 def run(algorithm: dict, **train) -> fedloom.RunResult:
     return fedloom.run(digits_config(algorithm, **train), write=False, progress=False)
+
+
+def uniform_uploads(
+    ctx: AlgorithmContext, like: Tree, count: int, seed: int
+) -> tuple[list[Tree], list[ClientResult]]:
+    """``count`` random models shaped like ``like`` and their uploads, each weighted 1/K."""
+    gen = torch.Generator().manual_seed(seed)
+    models = [
+        {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in like.items()}
+        for _ in range(count)
+    ]
+    results = [
+        ClientResult({"params": m, "buffers": {}}, ctx.objective_weight(c, "uniform"), 0.0)
+        for c, m in enumerate(models)
+    ]
+    return models, results
 
 
 def check_deployed_is_adapted(name: str, lr: float, **extra) -> None:

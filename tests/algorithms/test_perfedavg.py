@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedloom.algorithms import ClientResult, ClientTask, build_algorithm
+from fedloom.algorithms import ClientTask, build_algorithm
 from fedloom.algorithms.client import client_program
 from fedloom.algorithms.perfedavg import (
     PerFedAvgConfig,
@@ -42,6 +42,7 @@ from tests.algorithms.meta_setup import (
     tiny_ctx,
     tiny_model,
     unflat,
+    uniform_uploads,
 )
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 
@@ -150,15 +151,7 @@ def test_perfedavg_server_is_the_uniform_mean_of_the_uploads():
     ctx, _ = tiny_ctx()
     algo = build_algorithm({"name": "perfedavg"}, ctx)
     server = algo.init_server_state(*ctx.model.initial_state(0))
-    gen = torch.Generator().manual_seed(0)
-    models = [
-        {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in server["params"].items()}
-        for _ in range(3)
-    ]
-    results = [
-        ClientResult({"params": m, "buffers": {}}, ctx.objective_weight(c, "uniform"), 0.0)
-        for c, m in enumerate(models)
-    ]
+    models, results = uniform_uploads(ctx, server["params"], 3, seed=0)
     new = algo.aggregate(server, results)
     for k in server["params"]:
         assert torch.allclose(new["params"][k], sum(m[k] for m in models) / 3, atol=1e-12)

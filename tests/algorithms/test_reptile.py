@@ -14,11 +14,16 @@ import re
 import pytest
 import torch
 
-from fedloom.algorithms import ClientResult, build_algorithm
+from fedloom.algorithms import build_algorithm
 from fedloom.core.functional import FunctionalModel
 from fedloom.errors import ConfigError
 from fedloom.models import MLP
-from tests.algorithms.meta_setup import check_deployed_is_adapted, run, tiny_ctx
+from tests.algorithms.meta_setup import (
+    check_deployed_is_adapted,
+    run,
+    tiny_ctx,
+    uniform_uploads,
+)
 from tests.algorithms.pfl_setup import fedavg_accuracy_on_clients, run_pfl
 
 
@@ -54,15 +59,7 @@ def test_reptile_server_step_with_uniform_weights():
     algo = build_algorithm({"name": "reptile", "epsilon": 0.3}, ctx)
     server = algo.init_server_state(*ctx.model.initial_state(0))
     assert sorted(server) == ["buffers", "params"]  # no optimizer slots
-    gen = torch.Generator().manual_seed(1)
-    phis = [
-        {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in server["params"].items()}
-        for _ in range(2)
-    ]
-    results = [
-        ClientResult({"params": p, "buffers": {}}, ctx.objective_weight(c, "uniform"), 0.0)
-        for c, p in enumerate(phis)
-    ]
+    phis, results = uniform_uploads(ctx, server["params"], 2, seed=1)
     new = algo.aggregate(server, results)
     for k, theta in server["params"].items():
         expected = theta + 0.3 * ((phis[0][k] + phis[1][k]) / 2 - theta)
