@@ -140,18 +140,32 @@ def make_arrays(setting: PeerSetting) -> tuple[Arrays, Arrays, str]:
 
 
 def fedloom_config(setting: PeerSetting, executor: dict[str, Any]) -> dict[str, Any]:
-    """fedloom's config of ``setting`` with the ``executor`` section (no evaluation inside the
-    timed rounds: ``Engine.train_round`` only; monitoring off)."""
+    """fedloom's config of ``setting`` with the ``executor`` section (FedAvg)."""
+    return timed_round_config(
+        setting.per_round, setting.epochs, setting.batch_size, setting.lr, executor
+    )
+
+
+def timed_round_config(
+    per_round: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    executor: dict[str, Any],
+    algorithm: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A one-round config for timing ``Engine.train_round`` (no evaluation inside the timed
+    rounds; monitoring and checkpoints off); the model is the module handed to the engine."""
     return {
         "seed": SEED,
         "model": {"name": "mlp"},  # replaced by the module handed to the engine
-        "algorithm": {"name": "fedavg"},
+        "algorithm": dict(algorithm or {"name": "fedavg"}),
         "train": {
             "rounds": 1,
-            "clients_per_round": setting.per_round,
-            "local_epochs": setting.epochs,
-            "batch_size": setting.batch_size,
-            "lr": setting.lr,
+            "clients_per_round": per_round,
+            "local_epochs": epochs,
+            "batch_size": batch_size,
+            "lr": lr,
         },
         "eval": {"every": 1},
         "monitor": {"enabled": False},

@@ -289,22 +289,9 @@ class Runner:
         section, self.threads = parse_executor(spec)
         self.spec = spec
         cfg = parse_config(
-            {
-                "seed": peer_settings.SEED,
-                "model": {"name": "mlp"},  # replaced by the module
-                "algorithm": dict(bench.algorithm),
-                "train": {
-                    "rounds": 1,
-                    "clients_per_round": bench.per_round,
-                    "local_epochs": bench.epochs,
-                    "batch_size": bench.batch_size,
-                    "lr": bench.lr,
-                },
-                "eval": {"every": 1},
-                "monitor": {"enabled": False},
-                "checkpoint": {"every": None},
-                "executor": section,
-            }
+            peer_settings.timed_round_config(
+                bench.per_round, bench.epochs, bench.batch_size, bench.lr, section, bench.algorithm
+            )
         )
         self.engine = Engine(cfg, bench.fed, bench.make_model())
         if self.threads is None:  # what Engine.run runs under (engine/threads.py)
