@@ -26,10 +26,13 @@ module runs such steps directly (docs/executors.md; numbers in benchmarks/README
 The loss is the sum over clients of each client's weighted mean loss, so the gradient with
 respect to client c's weights is client c's own gradient: the clients never interact.
 
-A model qualifies when it declares its forward pass sample-wise (``FedModel.samplewise``: no
-operation mixes samples of a batch) and every parameter belongs to an ``nn.Linear`` or an
-ungrouped, zero-padded ``nn.Conv2d`` (the built-in ``logreg``, ``mlp`` and ``cnn``); other
-models (batch normalization, recurrent layers, transformers, dropout) take the vmap path.
+A model qualifies when its forward pass is sample-wise (no operation mixes samples of a
+batch: declared by ``FedModel.samplewise``, or a plain ``nn.Sequential`` of layers known to
+treat samples alone, :func:`declares_samplewise`) and every parameter belongs to an
+``nn.Linear`` or an ungrouped, zero-padded ``nn.Conv2d`` (the built-in ``logreg``, ``mlp`` and
+``cnn``); other models (batch normalization, recurrent layers, transformers) take the vmap
+path. Dropout layers (``nn.Dropout``, ``Dropout1d/2d/3d``) run stacked with each client's own
+masks while a chunk swaps them (core/client_dropout.py, docs/executors.md).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedloom.core.client_dropout import DROPOUT_LAYERS
 from fedloom.core.stacked_chain import chain_forward, chain_gradients, output_gradient, relu_chain
 
 Tree = dict[str, torch.Tensor]
@@ -49,15 +53,75 @@ Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(output, targets) -> per-sample loss, shape (samples,)."""
 
 
+SAMPLEWISE_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Hardtanh,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+    nn.Identity,
+    *DROPOUT_LAYERS,
+)
+"""Layers whose output for a sample depends on that sample alone (with their default,
+batched inputs)."""
+
+
+def declares_samplewise(module: nn.Module) -> bool:
+    """Whether ``module``'s forward pass treats every sample alone: it declares
+    ``samplewise`` (``FedModel.samplewise``), or it is a plain ``nn.Sequential`` (nested ones
+    included) of ``SAMPLEWISE_LAYERS``, softmaxes over a dimension other than the batch's,
+    and flattenings that keep the batch dimension. A subclass of ``nn.Sequential`` with a
+    ``forward`` of its own does not count."""
+    if getattr(module, "samplewise", False):
+        return True
+    if type(module) is nn.Sequential:
+        return all(declares_samplewise(m) for m in module)
+    if type(module) in SAMPLEWISE_LAYERS:
+        return True
+    if type(module) in (nn.Softmax, nn.LogSoftmax):
+        dim = module.dim  # type: ignore[attr-defined]
+        return dim is not None and dim != 0
+    if type(module) is nn.Flatten:
+        return module.start_dim != 0  # type: ignore[attr-defined]
+    if type(module) is nn.Unflatten:
+        return module.dim != 0  # type: ignore[attr-defined]
+    return False
+
+
 def stackable(module: nn.Module) -> bool:
-    """Whether ``module`` can run stacked (see the module doc): it declares ``samplewise``,
-    has no dropout or normalization layers, and every parameter belongs to an ``nn.Linear``
-    or an ungrouped, zero-padded ``nn.Conv2d``."""
-    if not getattr(module, "samplewise", False):
+    """Whether ``module`` can run stacked (see the module doc): its forward pass is
+    sample-wise (:func:`declares_samplewise`), it has no normalization layers and no dropout
+    layers other than ``DROPOUT_LAYERS``, and every parameter belongs to an ``nn.Linear`` or
+    an ungrouped, zero-padded ``nn.Conv2d``."""
+    if not declares_samplewise(module):
         return False
     owners = 0
     for m in module.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd | nn.modules.batchnorm._NormBase):
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            return False
+        if isinstance(m, nn.modules.dropout._DropoutNd) and type(m) not in DROPOUT_LAYERS:
             return False
         if isinstance(m, nn.Linear | nn.Conv2d):
             if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or m.groups != 1):

@@ -33,10 +33,13 @@ def relu_chain(module: nn.Module) -> list[Layer] | None:
     """The layers of ``module``'s declared ReLU chain (``FedModel.relu_chain``), in order, or
     None when it declares none or the declaration cannot be trusted: every parameter must
     belong to the named ``nn.Linear`` layers, and the class that declares the chain must be
-    the one whose ``forward`` runs (a subclass with a forward of its own does not inherit it)."""
+    the one whose ``forward`` runs (a subclass with a forward of its own does not inherit it),
+    and the module must hold no dropout layer."""
     names: tuple[str, ...] = getattr(module, "relu_chain", ())
     if not names:
         return None
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in module.modules()):
+        return None  # the chain's forward has no dropout: autograd's path draws the masks
     mro = type(module).__mro__
     declares = next(c for c in mro if "relu_chain" in c.__dict__)
     runs = next(c for c in mro if "forward" in c.__dict__)

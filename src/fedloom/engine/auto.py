@@ -190,7 +190,8 @@ class AutoExecutor:
         except ConfigError:
             if config.device == "cuda":
                 raise
-            # a model vmap cannot reproduce (dropout): the other candidates only
+            # a model the vectorized executor cannot reproduce (AlphaDropout; nn.Dropout and
+            # Dropout1d/2d/3d it runs with the sequential executor's masks): the others only
         self.cores = usable_cores()
         self.pools: dict[str, MultiprocessExecutor] = {}
         """Worker-process candidates by kind ('processes=N': sequential inside,

@@ -3,16 +3,18 @@
 The executor places the data (every client's training samples concatenated once into an
 :class:`~fedloom.solvers.vmap.Arena`), sizes the chunks C to the memory budget and evaluates
 models stacked; the local steps themselves are the algorithm's client program run by the vmap
-backend (solvers/vmap.py): each update of a step is one ``vmap`` call over the chunk.
+backend (solvers/vmap.py): each update of a step is one ``vmap`` call over the chunk (or one
+stacked call, core/stacked.py). Dropout masks are drawn per client from the streams the
+sequential executor draws them from (core/client_dropout.py, docs/executors.md).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from fedloom.algorithms.base import Algorithm
 from fedloom.algorithms.client import client_program
+from fedloom.core.client_dropout import refused_dropout
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData, ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
@@ -42,17 +44,13 @@ class VectorizedExecutor:
         memory_budget: str | int | None = None,
         device: str = "cpu",
     ) -> None:
-        dropout = [
-            n
-            for n, m in model.module.named_modules()
-            if isinstance(m, nn.modules.dropout._DropoutNd)
-        ]
-        if dropout:
+        refused = refused_dropout(model.module)
+        if refused:
             raise ConfigError(
-                f"executor.kind: the vectorized executor cannot run a model with dropout "
-                f"({', '.join(dropout)}): random masks drawn inside vmap cannot follow each "
-                "client's own random stream, so results would not match the sequential executor; "
-                "use executor.kind: sequential (or ray, or workers: N)"
+                f"executor.kind: the vectorized executor cannot run the dropout layers "
+                f"{', '.join(refused)}: it draws each client's masks only for nn.Dropout and "
+                "nn.Dropout1d/2d/3d (docs/executors.md); use executor.kind: sequential (or "
+                "ray, or workers: N)"
             )
         self.model = model
         self.requested_chunk = chunk_size

@@ -12,17 +12,21 @@ Data movement stays out of the per-step loop: the executor concatenates every cl
 training data once into an :class:`Arena`; a chunk's plans become one (steps, clients, width)
 tensor of arena rows per named plan, and each step gathers its minibatches with
 ``index_select`` into a buffer allocated once per chunk and plan slot. An update's random
-draws (``Update.draw``) are made per client from its own stream, outside ``vmap``, and stacked.
+draws (``Update.draw``) are made per client from its own stream, outside ``vmap``, and stacked;
+so are a model's dropout masks, from the stream the sequential backend draws them from
+(core/client_dropout.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import vmap
 
+from fedloom.core.client_dropout import Call, ChunkDropout, has_dropout
 from fedloom.core.protocol import ClientData
 from fedloom.data.augment import augment_batch
 from fedloom.solvers.ops import FUNC, FUNC_IN_PLACE, FuncOps
@@ -220,6 +224,9 @@ class ChunkRunner:
         self.stacked = all(u.stacked is not None for u in program.updates)
         """Every update has a stacked form: a step over a few clients stays cheap, so the
         last few clients of a chunk are not handed to the sequential backend."""
+        self.dropout: ChunkDropout | None = None
+        """The chunk's dropout masks (core/client_dropout.py); None: the model has none."""
+        self._has_dropout = has_dropout(program.model.module)
         self.num = 0
         self.streams: list[dict[str, torch.Generator]] = []
         """Each chunk client's draw streams (``Update.draw``), continued across steps."""
@@ -253,15 +260,54 @@ class ChunkRunner:
         program.model.module.train()
         runs: list[ClientRun | None] = [None] * num
         alive_at = clients_alive([plan_steps(p) for p in plans])
-        for s in range(len(alive_at) - 1):
-            alive = alive_at[s + 1]
-            if 0 < alive <= SEQUENTIAL_TAIL < num and not self.stacked:
-                self._finish_tail(
-                    leaves, spec, tasks, plans, shared_cpu, s, alive, sums, counts, runs
-                )
-                break
-            self._step_all(leaves, spec, index, present, buffers, s, shared, sums, counts)
+        # with dropout every step stays in the chunk: the sequential tail would draw the masks
+        # from torch's global generator, not from the chunk's per-client streams
+        tail = not self.stacked and not self._has_dropout
+        self.dropout = (
+            ChunkDropout(program.seed, tasks[0].round, [t.client_id for t in tasks])
+            if self._has_dropout
+            else None
+        )
+        with self._dropout_swapped():
+            for s in range(len(alive_at) - 1):
+                alive = alive_at[s + 1]
+                if 0 < alive <= SEQUENTIAL_TAIL < num and tail:
+                    self._finish_tail(
+                        leaves, spec, tasks, plans, shared_cpu, s, alive, sums, counts, runs
+                    )
+                    break
+                self._step_all(leaves, spec, index, present, buffers, s, shared, sums, counts)
         return self._results(leaves, spec, sums, counts, runs)
+
+    def _dropout_swapped(self) -> contextlib.AbstractContextManager:
+        """The block in which the model's dropout layers draw the chunk's per-client masks."""
+        if self.dropout is None:
+            return contextlib.nullcontext()
+        return self.dropout.swapped(self.program.model.module)
+
+    def _dropout_call(
+        self,
+        update: Update,
+        index: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        s: int,
+        rows: Rows,
+        width: int,
+        on: torch.Tensor,
+        stacked: bool,
+    ) -> contextlib.AbstractContextManager:
+        """The block of one update call, in which dropout draws for its clients: the members
+        ``rows``, those that take the step (``on``), and their real minibatch sizes of each of
+        the update's plans at step s."""
+        if self.dropout is None:
+            return contextlib.nullcontext()
+        members = list(range(self.num)[rows]) if isinstance(rows, slice) else list(rows)
+        sizes = [
+            index[name][2][s, members].tolist()
+            if s < index[name][2].shape[0]
+            else [0] * len(members)
+            for name in update.plans
+        ]
+        return self.dropout.call(Call(members, on.tolist(), sizes, width, stacked))
 
     def _lay_out(
         self, tasks: list[ClientTask], plans: list[dict[str, Plan]]
@@ -368,18 +414,22 @@ class ChunkRunner:
             )
         if update.draw is not None:
             batches[0] = (*batches[0], self._draws(update, rows, on))
-        on = on.to(self.device)
         everyone = bool(on.all())
-        if everyone and update.stacked is not None and isinstance(rows, slice):
+        stacked = everyone and update.stacked is not None and isinstance(rows, slice)
+        masks = self._dropout_call(update, index, s, rows, width, on, stacked)
+        on = on.to(self.device)
+        if stacked:
+            assert update.stacked is not None
             # every client steps: the stacked update, in place on views of the chunk's carry
-            new_carry, metrics = update.stacked(
-                spec.build(sub), tuple(Batch(*b) for b in batches), shared
-            )
+            with masks:
+                new_carry, metrics = update.stacked(
+                    spec.build(sub), tuple(Batch(*b) for b in batches), shared
+                )
         else:
             # in place only when no client's old value is needed by the masking below
             vmapped = self._vmapped[(update.name, everyone)]
             # torch.func.grad ignores an outer no_grad; everything else here records no graph
-            with torch.no_grad():
+            with torch.no_grad(), masks:
                 new_carry, metrics = vmapped(spec.build(sub), tuple(batches), shared)
         new_leaves = spec.leaves(new_carry)
         whole = rows == slice(0, self.num)
