@@ -18,6 +18,7 @@ from fedloom.config import parse_config
 from fedloom.core.protocol import ClientData
 from fedloom.data import load_dataset
 from fedloom.data.federated import FederatedData
+from fedloom.models.base import FedModel
 
 TOL = 1e-4
 
@@ -193,7 +194,12 @@ def test_auto_equals_sequential_and_reports_its_choice():
     assert auto.summary["executor_choice"].split("/")[0] in ("sequential", "vectorized")
 
 
-class DropoutMLP(torch.nn.Module):
+class DropoutMLP(FedModel):
+    """A model with dropout and a forward of its own (not sample-wise by declaration): every
+    algorithm's steps take the vmap path (core/client_dropout.py's custom operator)."""
+
+    head_modules = ("head",)
+
     def __init__(self) -> None:
         super().__init__()
         self.body = torch.nn.Sequential(
@@ -205,16 +211,131 @@ class DropoutMLP(torch.nn.Module):
         return self.head(self.body(x))
 
 
-def test_dropout_model_is_refused_by_vectorized_and_avoided_by_auto():
+def dropout_sequential() -> torch.nn.Module:
+    """A plain nn.Sequential with dropout: sample-wise, so FedAvg's steps run stacked."""
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(64, 32),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(32, 10),
+    )
+
+
+def dropout2d_cnn() -> torch.nn.Module:
+    """Feature dropout between convolutions, and element-wise dropout: stacked as well."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 6, 3),
+        torch.nn.ReLU(),
+        torch.nn.Dropout2d(0.3),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Dropout(0.25),
+        torch.nn.Linear(6 * 3 * 3, 10),
+    )
+
+
+DROPOUT_MODELS = {"mlp": DropoutMLP, "sequential": dropout_sequential, "cnn2d": dropout2d_cnn}
+
+DROPOUT_CASES = [
+    # (algorithm, model, whether its local steps run stacked; else under vmap)
+    ("fedavg", "sequential", True),
+    ("fedavg", "cnn2d", True),
+    ("fedavg", "mlp", False),
+    ("fedprox", "mlp", False),
+    ("ditto", "mlp", False),
+    ("ditto", "cnn2d", False),
+    ("moon", "mlp", False),
+]
+
+
+def dropout_run(algorithm: str, model: str, executor: dict) -> fedloom.RunResult:
+    """A 3-round run on a dropout model (batch 16 on clients of 110 to 241 samples: the last
+    minibatch of an epoch is partial; stragglers stop early)."""
+    torch.manual_seed(0)  # the model's initial weights come from the stream (seed, 'init')
+    return fedloom.run(
+        config(algorithm, "mlp", executor, 16),
+        model=DROPOUT_MODELS[model](),
+        write=False,
+        progress=False,
+    )
+
+
+def max_difference(a: fedloom.RunResult, b: fedloom.RunResult) -> float:
+    return max(
+        float((value - b.client_params[cid][key]).abs().max())
+        for cid, params in a.client_params.items()
+        for key, value in params.items()
+    )
+
+
+@pytest.mark.parametrize(("algorithm", "model", "stacked"), DROPOUT_CASES)
+def test_dropout_model_on_vectorized_equals_sequential(algorithm, model, stacked, monkeypatch):
+    """Each client's dropout masks on the vectorized executor are the sequential executor's
+    (the stream (seed, 'dropout', round, client)), in chunks of 1, 3 and all clients, on the
+    stacked path (FedAvg on sample-wise models) and under vmap."""
+    from fedloom.core.client_dropout import ChunkDropout
+    from fedloom.core.stacked import stackable
+
+    assert stackable(DROPOUT_MODELS[model]()) == (model != "mlp")
+    paths: set[bool] = set()
+    call = ChunkDropout.call
+
+    def spy(self, c):
+        paths.add(c.stacked)
+        return call(self, c)
+
+    monkeypatch.setattr(ChunkDropout, "call", spy)
+    seq = dropout_run(algorithm, model, {"kind": "sequential"})
+    assert not paths
+    for chunk in (1, 3, None):
+        executor = {"kind": "vectorized", **({"chunk_size": chunk} if chunk else {})}
+        vec = dropout_run(algorithm, model, executor)
+        assert_same(seq, vec)
+    assert paths == {stacked}
+
+
+@pytest.mark.parametrize("shared", ["client", "round"])
+def test_dropout_masks_differ_across_clients_and_rounds(shared, monkeypatch):
+    """The equality above fails when the vectorized executor's clients (or rounds) share one
+    mask stream: the masks really follow each client's stream of each round."""
+    import fedloom.core.client_dropout as client_dropout
+
+    real = client_dropout.generator
+
+    def one_stream(seed: int, purpose: str, round: int, client: int) -> torch.Generator:
+        return (
+            real(seed, purpose, round, 0) if shared == "client" else real(seed, purpose, 1, client)
+        )
+
+    seq = dropout_run("fedavg", "sequential", {"kind": "sequential"})
+    monkeypatch.setattr(client_dropout, "generator", one_stream)
+    vec = dropout_run("fedavg", "sequential", {"kind": "vectorized", "chunk_size": 3})
+    assert max_difference(seq, vec) > 1e-3
+
+
+def test_auto_may_choose_vectorized_for_a_dropout_model(monkeypatch):
+    import fedloom.engine.auto as auto
+
+    monkeypatch.setattr(auto, "usable_cores", lambda: 1)
+    seq = dropout_run("fedavg", "sequential", {"kind": "sequential"})
+    picked = dropout_run("fedavg", "sequential", {"kind": "auto"})
+    assert picked.summary["executor_choice"].startswith("vectorized")
+    assert_same(seq, picked)
+
+
+def test_alpha_dropout_is_refused_by_vectorized_naming_the_layer():
     from fedloom.errors import ConfigError
 
-    cfg = config("fedavg", "mlp", {"kind": "vectorized"}, 16)
-    with pytest.raises(ConfigError, match="dropout"):
-        fedloom.run(cfg, model=DropoutMLP(), write=False, progress=False)
-    auto = fedloom.run(
-        {**cfg, "executor": {"kind": "auto"}}, model=DropoutMLP(), write=False, progress=False
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(64, 32),
+        torch.nn.AlphaDropout(0.2),
+        torch.nn.Linear(32, 10),
     )
-    assert not auto.summary["executor_choice"].startswith("vectorized")
+    cfg = config("fedavg", "mlp", {"kind": "vectorized"}, 16)
+    with pytest.raises(ConfigError, match=r"2 \(AlphaDropout\).*executor.kind: sequential"):
+        fedloom.run(cfg, model=model, write=False, progress=False)
 
 
 def test_dropout_masks_follow_each_clients_stream():

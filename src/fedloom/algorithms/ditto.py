@@ -342,7 +342,11 @@ class DittoProgram(ClientProgram):
     ) -> ClientResult | None:
         """Where the global algorithm has a fused sequential trainer (the FedAvg family), its
         round runs there (the global model bit for bit the global algorithm's alone), then the
-        steps of (9)."""
+        steps of (9). Not for a model with dropout: its masks come from one stream per client,
+        drawn in the order the updates run, and the vmap backend interleaves (9) with the
+        global steps (docs/executors.md, "Dropout"); the generic path does the same."""
+        if self.model.has_dropout:
+            return None
         inner = self.inner.run_lean(message, Ditto._inner_state(state), task)
         if inner is None:
             return None

@@ -145,10 +145,8 @@ class ChunkDropout:
             raise RuntimeError("dropout on a chunk of clients outside a chunk's update call")
         shape = noise_shape(per_client, spatial)
         out = torch.zeros((len(call.members), *shape), dtype=dtype)
-        if not per_client:  # a 0-d input: no samples to pad
-            counts = [0] * len(call.members)
-        else:
-            counts = call.rows(int(per_client[0]))
+        # a 0-d input has no samples to pad: drawn whole below
+        counts = call.rows(int(per_client[0])) if per_client else [0] * len(call.members)
         for i, (c, on) in enumerate(zip(call.members, call.on, strict=True)):
             if not on:
                 continue
