@@ -246,6 +246,8 @@ DROPOUT_CASES = [
     ("ditto", "mlp", False),
     ("ditto", "cnn2d", False),
     ("moon", "mlp", False),
+    # deployment fine-tunes one client at a time on the vectorized executor too
+    ("fedavg_ft", "sequential", True),
 ]
 
 
@@ -338,8 +340,11 @@ def test_alpha_dropout_is_refused_by_vectorized_naming_the_layer():
         fedloom.run(cfg, model=model, write=False, progress=False)
 
 
-def test_dropout_masks_follow_each_clients_stream():
-    cfg = config("fedavg", "mlp", {"kind": "sequential"}, 16)
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedavg_ft"])
+def test_dropout_masks_follow_each_clients_stream(algorithm):
+    """Training and deployment (FedAvg-FT's fine-tuning) draw no mask from torch's global
+    generator."""
+    cfg = config(algorithm, "mlp", {"kind": "sequential"}, 16)
     torch.manual_seed(123)  # the global generator must not matter
     a = fedloom.run(cfg, model=DropoutMLP(), write=False, progress=False)
     torch.manual_seed(456)

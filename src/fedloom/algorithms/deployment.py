@@ -31,12 +31,20 @@ class Deployment:
         batched: bool = False,
     ) -> list[tuple[Tree, Tree]]:
         """Every client's ``deployed_model``. ``batched``: the executor runs clients stacked,
-        and a deployment that trains does it for all of them at once (``batched``)."""
+        and a deployment that trains does it for all of them at once (``batched``). One at a
+        time, a deployment that trains a model with dropout draws the client's masks from the
+        stream (seed, 'dropout', round, client) (``FunctionalModel.random_stream``), not from
+        torch's unseeded global generator."""
         models = self.batched(server, tasks) if batched else None
         if models is not None:
             return models
-        deploy = self.algorithm.deployed_model
-        return [deploy(server, s, t) for s, t in zip(states, tasks, strict=True)]
+        algorithm = self.algorithm
+        model, seed = algorithm.ctx.model, algorithm.ctx.seed
+        out = []
+        for state, task in zip(states, tasks, strict=True):
+            with model.random_stream(seed, task.round, task.client_id):
+                out.append(algorithm.deployed_model(server, state, task))
+        return out
 
     def batched(self, server: State, tasks: Sequence[ClientTask]) -> list[tuple[Tree, Tree]] | None:
         """Every client's deployed model trained at once (``finetuned_models``), or None:
@@ -90,9 +98,10 @@ def finetuned_models(
     from the stream (seed, purpose, round, client)), every client at once on the stacked model
     (solvers/stacked_sgd.py): a ``Deployment.batched`` that fine-tunes (FedAvg-FT, the
     meta-learners, FedBABU), moving only the ``trainable`` parameters (default: all); None when
-    the model cannot run stacked."""
+    the model cannot run stacked, or has dropout (then each client fine-tunes alone, its masks
+    from its own stream: docs/executors.md, "Dropout")."""
     model = ctx.model
-    if model.stacked() is None:
+    if model.stacked() is None or model.has_dropout:
         return None
     plans = [
         ctx.make_plan(t.data, steps, purpose, t.round, t.client_id) if steps else [] for t in tasks

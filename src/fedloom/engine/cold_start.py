@@ -58,9 +58,11 @@ def adaptation_curve(
 ) -> dict[str, Any]:
     """summary.json's ``cold_start`` for the held-out ``clients`` (see the module doc);
     ``batched``: every client's fine-tuning at once on the stacked model, where it can run so
-    (core/stacked.py)."""
+    (core/stacked.py) and has no dropout (one client at a time draws each client's masks from
+    its own stream)."""
     setup = Adaptation(algorithm, server, clients, steps, lr, round, eval_batch_size)
-    stacked = batched and algorithm.ctx.model.stacked() is not None
+    model = algorithm.ctx.model
+    stacked = batched and model.stacked() is not None and not model.has_dropout
     per_step = _stacked_counts(setup) if stacked else _counts_one_at_a_time(setup)
     curve: dict[str, Any] = {"clients": len(clients), "lr": lr, "steps": list(steps)}
     quantiles = [client_quantiles(per_step[s], classification) for s in steps]

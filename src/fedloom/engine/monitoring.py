@@ -106,7 +106,7 @@ def gradient_dissimilarity(
     if not datas:
         return None
     sizes = [d.num_train for d in datas]
-    if model.stacked() is not None and not buffers:
+    if model.stacked() is not None and not buffers and not model.has_dropout:
         g = stacked_full_gradients(model, params, datas)
     else:
         g = torch.stack(
