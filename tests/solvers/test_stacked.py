@@ -106,9 +106,12 @@ def test_only_declared_samplewise_linear_and_convolution_models_run_stacked():
     declared = MeanOverBatch()
     declared.samplewise = True  # type: ignore[misc]
     assert stackable(declared)  # the declaration is the user's promise
-    dropout = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
-    dropout.samplewise = True  # type: ignore[attr-defined]
-    assert not stackable(dropout)
+    # dropout runs stacked with each client's masks (core/client_dropout.py); alpha dropout not
+    assert stackable(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)))
+    assert not stackable(nn.Sequential(nn.Linear(4, 4), nn.AlphaDropout(0.5)))
+    # a plain nn.Sequential of sample-wise layers needs no declaration; normalization does not pass
+    assert stackable(nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    assert not stackable(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     with pytest.raises(ValueError, match="cannot run stacked"):
         StackedModel(MeanOverBatch())
 
