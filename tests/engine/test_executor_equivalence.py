@@ -297,6 +297,12 @@ def test_dropout_model_on_vectorized_equals_sequential(algorithm, model, stacked
     assert paths == {stacked}
 
 
+def test_dropout_model_on_vectorized_worker_processes_equals_sequential():
+    seq = dropout_run("ditto", "cnn2d", {"kind": "sequential"})
+    vec = dropout_run("ditto", "cnn2d", {"kind": "vectorized", "workers": 2, "threads": 1})
+    assert_same(seq, vec)
+
+
 @pytest.mark.parametrize("shared", ["client", "round"])
 def test_dropout_masks_differ_across_clients_and_rounds(shared, monkeypatch):
     """The equality above fails when the vectorized executor's clients (or rounds) share one

@@ -277,6 +277,7 @@ class ChunkRunner:
                     )
                     break
                 self._step_all(leaves, spec, index, present, buffers, s, shared, sums, counts)
+        self.dropout = None  # the chunk's generators end with it
         return self._results(leaves, spec, sums, counts, runs)
 
     def _dropout_swapped(self) -> contextlib.AbstractContextManager:
