@@ -36,7 +36,8 @@ Sections:
   ``stacked_sgd_step``; compile seconds reported separately, timed against their eager
   versions.
 - ``profile``: cProfile of ``plain`` and ``lean`` at one client, 5 steps a client (50 images,
-  B = 10), the first model: where the time goes.
+  B = 10), the first model: where the time goes; also timed: ``lean_cl``, the same loop on
+  a ``LeanModule(channels_last=True)`` (core/lean.py's option, off by default).
 
 Roofline: ``roofline.measure_peaks`` (GEMM and conv2d peaks) at each thread count, and
 ``roofline.count_flops``; a variant's share of the peak is the step's counted FLOPs at the
@@ -69,6 +70,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from fedloom.core.functional import FunctionalModel
+from fedloom.core.lean import LeanModule
 from fedloom.core.stacked import _stacked_conv
 from fedloom.engine.threads import torch_threads
 from fedloom.models.cnn import CNN
@@ -526,10 +528,23 @@ def profile_section(name: str, threads: list[int], batch: int, clients: int = 20
         for _ in range(clients):
             local_sgd(cl.fm, params, {}, x, y, plan, LR)
 
+    # the same loop on a LeanModule with channels-last convolution weights (core/lean.py's
+    # option, off by default), whose convolutions then give channels-last activations
+    fm_cl = FunctionalModel(make(shape), "classification")  # type: ignore[arg-type]
+    fm_cl._lean = LeanModule(fm_cl.module, channels_last=True)
+
+    def lean_cl() -> None:
+        for _ in range(clients):
+            local_sgd(fm_cl, params, {}, x, y, plan, LR)
+
+    check = local_sgd(fm_cl, params, {}, x, y, plan, LR).params
+    want = local_sgd(cl.fm, params, {}, x, y, plan, LR).params
+    cl_diff = max((check[k] - want[k]).abs().max().item() for k in want)
     out: dict[str, Any] = {}
     for n in threads:
         with torch_threads(n):
-            times = interleaved({"plain": plain, "lean": lean}, repeats=5, inner=1, warmup=1)
+            contenders = {"plain": plain, "lean": lean, "lean_cl": lean_cl}
+            times = interleaved(contenders, repeats=5, inner=1, warmup=1)
             entry: dict[str, Any] = {
                 "ms_per_client": {
                     k: statistics.median(v) / clients * 1e3 for k, v in times.items()
@@ -537,6 +552,10 @@ def profile_section(name: str, threads: list[int], batch: int, clients: int = 20
                 "lean_vs_plain": statistics.median(
                     a / b for a, b in zip(times["lean"], times["plain"], strict=True)
                 ),
+                "lean_cl_vs_plain": statistics.median(
+                    a / b for a, b in zip(times["lean_cl"], times["plain"], strict=True)
+                ),
+                "lean_cl_max_diff": cl_diff,
             }
             for label, fn in (("plain", plain), ("lean", lean)):
                 prof = cProfile.Profile()
@@ -622,7 +641,9 @@ def format_tables(results: dict[str, Any]) -> str:
             lines.append(
                 f"\nOne client, 5 steps ({results['profile']['model']}, {n} threads): plain "
                 f"{ms['plain']:.2f} ms, lean {ms['lean']:.2f} ms, lean/plain "
-                f"{entry['lean_vs_plain']:.3f}"
+                f"{entry['lean_vs_plain']:.3f}; lean with channels-last weights "
+                f"{ms['lean_cl']:.2f} ms, x plain {entry['lean_cl_vs_plain']:.3f} (weights within "
+                f"{entry['lean_cl_max_diff']:.1e} of lean's)"
             )
             for label in ("plain", "lean"):
                 text = entry[f"profile_{label}"]
