@@ -48,6 +48,7 @@ from fedloom.engine.processes import MultiprocessExecutor
 from fedloom.engine.sequential import SequentialExecutor
 from fedloom.engine.threads import SMALL_STEP_MACS, macs_per_sample, torch_threads
 from fedloom.engine.vectorized import VectorizedExecutor
+from fedloom.engine.vmap_probe import NotVmappable
 from fedloom.errors import ConfigError
 from fedloom.run_config.executor import ExecutorConfig
 from fedloom.solvers.program import ClientProgram
@@ -219,7 +220,14 @@ class AutoExecutor:
     def prepare(self, clients: dict[int, ClientData]) -> None:
         self._clients = dict(clients)
         if self.vectorized is not None:
-            self.vectorized.prepare(clients)
+            try:
+                self.vectorized.prepare(clients)
+            except NotVmappable:
+                if self.config.device == "cuda":
+                    raise
+                # a model vmap cannot run (engine/vmap_probe.py): the other candidates only
+                self.vectorized = None
+                self.pools = {k: p for k, p in self.pools.items() if not k.startswith("vectorized")}
         for pool in self.pools.values():
             self._prepare_pool(pool)
 

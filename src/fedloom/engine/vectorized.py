@@ -11,6 +11,7 @@ sequential executor draws them from (core/client_dropout.py, docs/executors.md).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from fedloom.algorithms.base import Algorithm
 from fedloom.algorithms.client import client_program
@@ -28,6 +29,7 @@ from fedloom.engine.memory import (
     tree_bytes,
 )
 from fedloom.engine.metrics import EvalCounts
+from fedloom.engine.vmap_probe import check_vmappable
 from fedloom.errors import ConfigError
 from fedloom.run_config.executor import parse_bytes
 from fedloom.solvers.vmap import Arena, ChunkRunner, plan_steps, to_device
@@ -56,7 +58,11 @@ class VectorizedExecutor:
         self.requested_chunk = chunk_size
         self.budget = parse_bytes(memory_budget)
         self.device = torch.device(device)
-        self.has_norm = bool(getattr(model.module, "norm_modules", ()))
+        self.has_norm = bool(getattr(model.module, "norm_modules", ())) or any(
+            isinstance(m, nn.modules.batchnorm._NormBase) for m in model.module.modules()
+        )
+        """Batch statistics (declared norm layers, or any BatchNorm/InstanceNorm of a user's
+        module): clients are grouped by exact batch size instead of padded."""
         self._param_bytes = sum(p.numel() * p.element_size() for p in model.module.parameters())
         self._act_bytes: int | None = None
         self.last_chunk_size: int | None = None
@@ -65,7 +71,11 @@ class VectorizedExecutor:
 
     def prepare(self, clients: dict[int, ClientData]) -> None:
         """Concatenate every client's training data once into one arena, so that a step's
-        minibatches for a whole chunk are a single gather."""
+        minibatches for a whole chunk are a single gather. Refuses a model vmap cannot run,
+        naming the layer (engine/vmap_probe.py), before any training."""
+        sample = next((d for d in clients.values() if d.num_train > 0), None)
+        if sample is not None:
+            check_vmappable(self.model, sample.x_train[:2], sample.y_train[:2])
         self._arena = Arena(clients, self.device)
 
     def close(self) -> None:
