@@ -18,19 +18,24 @@ Sections:
 - ``steps``: (a) ``plain``: plain PyTorch, the clients one at a time (a module each,
   ``loss.backward()``, ``torch.optim.SGD.step``, ``zero_grad``: pfl-research's loop);
   (b) ``stacked``: fedloom's ``stacked_sgd_step`` (core/stacked.py: linear layers as
-  ``baddbmm``, each Conv2d as one grouped convolution of C groups); ``lean``: fedloom's
+  ``baddbmm``, each Conv2d as one grouped convolution of C groups, or as C separate ones
+  when it has at most ``SEPARATE_CONV_MAX_IN_CHANNELS`` input channels); ``stacked_grouped``:
+  the same with every Conv2d grouped (before issue #37 item 2); ``lean``: fedloom's
   one-client loop ``local_sgd`` (solvers/local.py on core/lean.py's ``LeanModule``, what the
   sequential executor runs), one step a client, its load and copy-out included; and the same
   three at one client (``plain/C1``, ``stacked/C1``, ``lean/C1``). Interleaved repeats;
-  the ratio column is the median over repeats of (variant / ``plain``) in the same repeat.
-  Before timing, the updated weights and losses of ``stacked`` and ``lean`` are checked
-  against ``plain``'s (max absolute difference printed).
+  the ratio column is the median over repeats of (variant / ``plain``) in the same repeat,
+  and ``stacked``'s ratio to ``stacked_grouped`` is printed the same way. Before timing, the
+  updated weights and losses of ``stacked`` and ``lean`` are checked against ``plain``'s, and
+  ``stacked_grouped``'s weights against ``stacked``'s (max absolute difference printed).
 - ``convs``: every Conv2d of each model, C clients x B samples, forward + weight gradient +
   input gradient (not for a first layer, whose input needs none; as in a step):
   ``grouped`` (one conv of C groups, default layout), ``separate`` (C convs of batch B),
-  ``grouped_cl`` and ``separate_cl`` (the same on channels_last tensors and weights), and
+  ``grouped_cl`` and ``separate_cl`` (the same on channels_last tensors and weights),
   ``stacked_conv`` (fedloom's grouped convolution with its regrouping copies, from the
-  merged batch, as core/stacked.py runs it).
+  merged batch, as core/stacked.py runs a layer with many input channels) and
+  ``stacked_separate`` (core/stacked.py's separate form: C convolutions on views of the
+  merged batch joined by one ``cat``, as it runs a layer with few input channels).
 - ``compile``: ``torch.compile`` (inductor, needs a C compiler) of (a)'s one-client loss
   (``functional_call``; autograd and the update outside) and of (b)'s whole
   ``stacked_sgd_step``; compile seconds reported separately, timed against their eager
@@ -69,6 +74,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
+from fedloom.core import stacked
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.lean import LeanModule
 from fedloom.core.stacked import _stacked_conv
@@ -100,6 +106,19 @@ MODELS: dict[str, tuple[Callable[[tuple[int, int, int]], nn.Module], tuple[int, 
     "cnn4-mnist": (lambda s: CNN4(s, NUM_CLASSES), (1, 28, 28)),
     "cnn-mnist": (lambda s: CNN(s, NUM_CLASSES), (1, 28, 28)),
 }
+
+
+@contextmanager
+def conv_form(max_in_channels: int) -> Iterator[None]:
+    """Inside the block, core/stacked.py runs a convolution with at most ``max_in_channels``
+    input channels as C separate convolutions and every other as one grouped convolution
+    (0: all grouped, the form before issue #37 item 2)."""
+    saved = stacked.SEPARATE_CONV_MAX_IN_CHANNELS
+    stacked.SEPARATE_CONV_MAX_IN_CHANNELS = max_in_channels
+    try:
+        yield
+    finally:
+        stacked.SEPARATE_CONV_MAX_IN_CHANNELS = saved
 
 
 def log(msg: str) -> None:
@@ -177,6 +196,11 @@ class Clients:
         n = next(iter(params.values())).shape[0]
         return stacked_sgd_step(self.fm, params, Batch(self.x[:n], self.y[:n], self.w[:n]), LR)
 
+    def stacked_grouped_step(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(b) with every convolution as one grouped convolution (before issue #37 item 2)."""
+        with conv_form(0):
+            return self.stacked_step(params)
+
     # fedloom's one-client loop, one step a client
     def lean(self, clients: int) -> list[Any]:
         return [
@@ -195,6 +219,8 @@ class Clients:
         plain_after = [dict(m.named_parameters()) for m in self.modules]
         st = self.stack(range(self.C))
         st_losses = self.stacked_step(st)
+        st_grouped = self.stack(range(self.C))
+        self.stacked_grouped_step(st_grouped)
         sols = self.lean(self.C)
         d_stacked = max(
             (st[k][c] - plain_after[c][k]).abs().max().item() for c in range(self.C) for k in st
@@ -204,12 +230,14 @@ class Clients:
             for c in range(self.C)
             for k in st
         )
+        d_forms = max((st[k] - st_grouped[k]).abs().max().item() for k in st)
         d_loss = max(abs(a - b) for a, b in zip(losses, st_losses.tolist(), strict=True))
         d_lean_loss = max(abs(a - s.loss) for a, s in zip(losses, sols, strict=True))
         self.reset()
         return {
             "stacked_weights": d_stacked,
             "stacked_loss": d_loss,
+            "stacked_forms": d_forms,
             "lean_weights": d_lean,
             "lean_loss": d_lean_loss,
         }
@@ -275,6 +303,7 @@ def steps_section(
         variants = {
             "plain": lambda cl=cl: cl.plain(cl.C),
             "stacked": lambda cl=cl: cl.stacked_step(cl.stacked),
+            "stacked_grouped": lambda cl=cl: cl.stacked_grouped_step(cl.stacked),
             "lean": lambda cl=cl: cl.lean(cl.C),
             "plain/C1": lambda cl=cl: cl.plain(1),
             "stacked/C1": lambda cl=cl: cl.stacked_step(cl.stacked1),
@@ -292,6 +321,12 @@ def steps_section(
                 v["vs_base"] = statistics.median(
                     a / b for a, b in zip(v["ms_all"], res["plain/C1"]["ms_all"], strict=True)
                 )
+            res["stacked"]["vs_grouped"] = statistics.median(
+                a / b
+                for a, b in zip(
+                    res["stacked"]["ms_all"], res["stacked_grouped"]["ms_all"], strict=True
+                )
+            )
             results[name]["threads"][n] = res
             log(
                 f"steps {name} t{n}: "
@@ -323,7 +358,7 @@ def conv_layers(name: str, batch: int) -> list[tuple[str, nn.Conv2d, tuple[int, 
 def conv_variants(
     layer: nn.Conv2d, in_shape: tuple[int, ...], first: bool, clients: int
 ) -> tuple[dict[str, Callable[[], Any]], float]:
-    """The five ways to run C clients' forward + gradients of ``layer``; and their FLOPs."""
+    """The six ways to run C clients' forward + gradients of ``layer``; and their FLOPs."""
     b, cin, h, w = in_shape
     cout, k = layer.out_channels, layer.kernel_size
     pad, stride = layer.padding, layer.stride
@@ -364,7 +399,10 @@ def conv_variants(
 
     merged = xs.reshape(clients * b, cin, h, w).clone().requires_grad_(not first)
     sw, sb = ws.clone().requires_grad_(True), bs.clone().requires_grad_(True)
-    fwd = _stacked_conv(layer, sw, sb, clients)
+    with conv_form(0):
+        fwd = _stacked_conv(layer, sw, sb, clients)
+    with conv_form(10**6):
+        fwd_separate = _stacked_conv(layer, sw, sb, clients)
     with torch.no_grad():
         gy_merged = torch.randn_like(fwd(merged))
     wanted_merged = [sw, sb] + ([] if first else [merged])
@@ -372,12 +410,16 @@ def conv_variants(
     def stacked_conv() -> Any:
         return torch.autograd.grad(fwd(merged), wanted_merged, gy_merged)
 
+    def stacked_separate() -> Any:
+        return torch.autograd.grad(fwd_separate(merged), wanted_merged, gy_merged)
+
     variants = {
         "grouped": make(grouped_x, grouped_w, grouped_b, clients, torch.contiguous_format),
         "separate": separate(torch.contiguous_format),
         "grouped_cl": make(grouped_x, grouped_w, grouped_b, clients, cl),
         "separate_cl": separate(cl),
         "stacked_conv": stacked_conv,
+        "stacked_separate": stacked_separate,
     }
     with torch.no_grad():
         oh, ow = F.conv2d(xs[0], ws[0], None, stride, pad).shape[2:]
@@ -595,12 +637,17 @@ def format_tables(results: dict[str, Any]) -> str:
                         f"| {name} | {n} | {v} | {e['ms']:.2f} | {e['vs_base']:.2f} | "
                         f"{e['gflops']:.1f} | {pct(e['share_of_peak'])} |"
                     )
+        lines += ["", "stacked against stacked_grouped (median ratio in the same repeat):", ""]
+        for name, entry in results["steps"].items():
+            for n, res in entry["threads"].items():
+                lines.append(f"- {name}, {n} threads: {res['stacked']['vs_grouped']:.3f}x")
         lines += ["", "Agreement with plain after one step (max abs difference):", ""]
         for name, entry in results["steps"].items():
             a = entry["agreement"]
             lines.append(
                 f"- {name}: stacked weights {a['stacked_weights']:.1e}, losses "
-                f"{a['stacked_loss']:.1e}; lean weights {a['lean_weights']:.1e}, losses "
+                f"{a['stacked_loss']:.1e}, stacked_grouped against stacked "
+                f"{a['stacked_forms']:.1e}; lean weights {a['lean_weights']:.1e}, losses "
                 f"{a['lean_loss']:.1e}"
             )
     if "convs" in results:

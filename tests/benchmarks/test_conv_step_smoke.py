@@ -62,7 +62,14 @@ def test_conv_variants_compute_the_same_gradients(conv_step: Any) -> None:
     assert [(n, first) for n, _, _, first in layers] == [("conv1", True), ("conv2", False)]
     _, layer, in_shape, first = layers[1]
     variants, flops = conv_step.conv_variants(layer, in_shape, first, clients=3)
-    assert set(variants) == {"grouped", "separate", "grouped_cl", "separate_cl", "stacked_conv"}
+    assert set(variants) == {
+        "grouped",
+        "separate",
+        "grouped_cl",
+        "separate_cl",
+        "stacked_conv",
+        "stacked_separate",
+    }
     # 3 clients x 2 samples x 64 x 14 x 14 outputs x 32 x 25 MACs, forward + 2 gradients
     assert flops == 2.0 * 3 * 2 * 64 * 14 * 14 * 32 * 25 * 3
     grouped_w = variants["grouped"]()[0].view(3, 64, 32, 5, 5)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import fedloom
+from fedloom.core import stacked
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.stacked import StackedModel, stackable
 from fedloom.data.federated import from_arrays
@@ -61,6 +62,57 @@ def test_stacked_gradient_step_equals_each_clients_own(name, padded):
     for c in range(CLIENTS):
         for k in params:
             assert torch.allclose(params[k][c], expected[c][k], atol=1e-6), (c, k)
+
+
+FORMS = {"grouped": 0, "separate_first": 3, "separate_all": 10**6}
+"""core/stacked.py's SEPARATE_CONV_MAX_IN_CHANNELS forcing each convolution form: every layer
+grouped; the default (1- or 3-channel first layers separate, 32-channel layers grouped);
+every layer separate."""
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize(
+    ("name", "shape"), [("cnn", (1, 8, 8)), ("cnn", (3, 8, 8)), ("cnn4", (3, 16, 16))]
+)
+def test_both_convolution_forms_step_each_client_as_its_own(monkeypatch, form, name, shape):
+    """A stacked step of a model whose first convolution has 1 or 3 input channels equals each
+    client's own autograd step, whether a convolution runs as one grouped convolution or as C
+    separate ones; the form taken is the one the threshold asks for."""
+    monkeypatch.setattr(stacked, "SEPARATE_CONV_MAX_IN_CHANNELS", FORMS[form])
+    calls: list[tuple[int, int]] = []  # (input channels, groups) of each conv2d call
+    conv2d = torch.nn.functional.conv2d
+
+    def counted(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        calls.append((weight.shape[1], groups))
+        return conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    model = FunctionalModel(build_model(name, shape, 5), "classification")
+    params = stacked_params(model, 3)
+    b = batch(shape, padded=True)
+    expected, losses = [], []
+    for c in range(CLIENTS):
+        own = {k: v[c].clone() for k, v in params.items()}
+        real = b.w[c] > 0
+        if real.any():
+            grads, loss = model.grad_and_loss(own, {}, b.x[c][real], b.y[c][real])
+        else:
+            grads, loss = {k: torch.zeros_like(v) for k, v in own.items()}, torch.tensor(0.0)
+        expected.append({k: own[k] - 0.1 * grads[k] for k in own})
+        losses.append(float(loss))
+    monkeypatch.setattr(stacked.F, "conv2d", counted)
+    got = stacked_sgd_step(model, params, b, 0.1)
+    monkeypatch.setattr(stacked.F, "conv2d", conv2d)
+    assert got.tolist() == pytest.approx(losses, abs=1e-6)
+    for c in range(CLIENTS):
+        for k in params:
+            torch.testing.assert_close(params[k][c], expected[c][k], atol=1e-6, rtol=0)
+    first, second = shape[0], 32
+    want = {
+        "grouped": [(first, CLIENTS), (second, CLIENTS)],
+        "separate_first": [(first, 1)] * CLIENTS + [(second, CLIENTS)],
+        "separate_all": [(first, 1)] * CLIENTS + [(second, 1)] * CLIENTS,
+    }[form]
+    assert calls == want
 
 
 def test_momentum_correction_and_trainable_subset():
