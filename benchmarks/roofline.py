@@ -42,10 +42,11 @@ from fedloom.engine.loop import Engine, setup_frozen
 from fedloom.engine.state import RunState
 from fedloom.engine.threads import run_threads
 
-EXECUTORS = ("auto", "sequential", "vectorized", "processes")
-"""``executor.kind`` values, and ``processes``: the sequential executor with one worker process
-per core. A ``/tN`` suffix (``sequential/t1``) pins N intra-op threads; without it, the
-count ``Engine.run`` would use (``threads: null``: engine/threads.py, ``run_threads``)."""
+EXECUTORS = ("auto", "sequential", "vectorized", "processes", "vectorized-processes")
+"""``executor.kind`` values, and ``processes`` / ``vectorized-processes``: the sequential /
+vectorized executor with one worker process per core. A ``/tN`` suffix (``sequential/t1``)
+pins N intra-op threads; without it, the count ``Engine.run`` would use (``threads: null``:
+engine/threads.py, ``run_threads``)."""
 DEFAULT_WORKLOADS = "W1,W2,W3,pfl_cifar10,fedavg_2nn"
 QUICK_CLIENTS = 10
 CONV_SHAPES = (
@@ -267,12 +268,14 @@ def select(spec: str, quick: bool) -> list[Bench]:
 
 
 def parse_executor(spec: str) -> tuple[dict[str, Any], int | None]:
-    """``auto``, ``sequential``, ``vectorized``, ``processes`` with an optional ``/tN``: the
-    executor section and the thread count to run it under (None: all cores)."""
+    """``auto``, ``sequential``, ``vectorized``, ``processes``, ``vectorized-processes`` with
+    an optional ``/tN``: the executor section and the thread count to run it under (None: all
+    cores)."""
     kind, _, suffix = spec.partition("/")
     n = int(suffix[1:]) if suffix.startswith("t") else None
-    if kind == "processes":
-        section: dict[str, Any] = {"kind": "sequential", "workers": os.cpu_count() or 1}
+    if kind in ("processes", "vectorized-processes"):
+        inner = "sequential" if kind == "processes" else "vectorized"
+        section: dict[str, Any] = {"kind": inner, "workers": os.cpu_count() or 1}
     elif kind in ("auto", "sequential", "vectorized"):
         section = {"kind": kind}
     else:

@@ -301,18 +301,18 @@ def test_dropout_model_on_vectorized_equals_sequential(algorithm, model, stacked
     """Each client's dropout masks on the vectorized executor are the sequential executor's
     (the stream (seed, 'dropout', round, client)), in chunks of 1, 3 and all clients, on the
     stacked path (FedAvg on sample-wise models) and under vmap."""
-    from fedloom.core.client_dropout import ChunkDropout
     from fedloom.core.stacked import stackable
+    from fedloom.solvers.vmap import ChunkRunner
 
     assert stackable(DROPOUT_MODELS[model]()) == (model in ("sequential", "cnn2d"))
     paths: set[bool] = set()
-    call = ChunkDropout.call
+    call = ChunkRunner._dropout_call
 
-    def spy(self, c):
-        paths.add(c.stacked)
-        return call(self, c)
+    def spy(self, *args):  # the training steps' calls (not the executor's vmap probe)
+        paths.add(args[-1])
+        return call(self, *args)
 
-    monkeypatch.setattr(ChunkDropout, "call", spy)
+    monkeypatch.setattr(ChunkRunner, "_dropout_call", spy)
     seq = dropout_run(algorithm, model, {"kind": "sequential"})
     assert not paths
     for chunk in (1, 3, None):
