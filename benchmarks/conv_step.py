@@ -11,7 +11,7 @@ Usage::
 A step is forward, backward and the in-place SGD update (lr 0.1) of every client on its own
 minibatch of ``--batch`` samples, from its own weights. The models have no dropout: pfl's
 ``simple_cnn`` is built with its two dropout layers removed (``nn.Identity``), so that every
-variant computes the same thing and the stacked step, which refuses dropout, can run it.
+variant (plain PyTorch's global-generator masks included) computes the same thing.
 
 Sections:
 

@@ -73,6 +73,7 @@ def test_tiny_workloads_run_end_to_end(roofline: Any) -> None:
     macs = 784 * 200 + 200 * 200 + 200 * 10
     assert two_nn["round_gflop"] == pytest.approx(40 * 2 * (3 * macs - 784 * 200) / 1e9)
     cnn = results["workloads"]["pfl_cifar10"]["executors"]
-    assert "dropout" in cnn["vectorized/t1"]["refused"]
-    assert cnn["sequential/t1"]["s_per_round"] > 0
+    # simple_cnn's dropout runs on the vectorized executor too (core/client_dropout.py)
+    for spec in ("sequential/t1", "vectorized/t1"):
+        assert "refused" not in cnn[spec] and cnn[spec]["s_per_round"] > 0
     assert "pfl_cifar10" in roofline.format_table(results)
