@@ -135,3 +135,20 @@ def test_probe_names_the_root_when_the_models_own_code_fails():
     model = FunctionalModel(Branchy(), "classification")
     with pytest.raises(NotVmappable, match=r"layer <root> \(Branchy\)"):
         check_vmappable(model, torch.randn(2, 1, 8, 8), torch.tensor([0, 1]))
+
+
+def test_the_executor_probes_with_two_samples_when_a_client_has_them():
+    """A first client with one sample would make BatchNorm refuse the probe's batch (more than
+    one value per channel is needed): the executor takes a client with two."""
+    from fedloom.core.protocol import ClientData
+    from fedloom.engine.vectorized import VectorizedExecutor
+
+    def client(n: int) -> ClientData:
+        return ClientData(
+            torch.randn(n, 1, 8, 8), torch.randint(0, 10, (n,)), torch.zeros(0), torch.zeros(0)
+        )
+
+    model = FunctionalModel(undeclared_batch_norm(), "classification")
+    with pytest.raises(NotVmappable, match="BatchNorm1d"):
+        check_vmappable(model, client(1).x_train, client(1).y_train)
+    VectorizedExecutor(model).prepare({0: client(1), 1: client(5)})  # no refusal

@@ -73,7 +73,10 @@ class VectorizedExecutor:
         """Concatenate every client's training data once into one arena, so that a step's
         minibatches for a whole chunk are a single gather. Refuses a model vmap cannot run,
         naming the layer (engine/vmap_probe.py), before any training."""
-        sample = next((d for d in clients.values() if d.num_train > 0), None)
+        # two samples where a client has them (batch normalization needs more than one)
+        sample = max(clients.values(), key=lambda d: min(d.num_train, 2), default=None)
+        if sample is not None and sample.num_train == 0:
+            sample = None
         if sample is not None:
             check_vmappable(self.model, sample.x_train[:2], sample.y_train[:2])
         self._arena = Arena(clients, self.device)
