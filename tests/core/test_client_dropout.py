@@ -71,37 +71,30 @@ def inputs(layer: str) -> torch.Tensor:
     return torch.randn(len(CALLS), len(CLIENTS), WIDTH, *features) + 3.0  # no exact zeros
 
 
+@pytest.mark.parametrize("path", ["stacked", "vmap"])
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_stacked_forward_draws_each_clients_masks(layer, p):
+def test_each_path_draws_each_clients_masks(layer, p, path):
+    """The stacked path (one merged batch) and the vmap rule (a vmapped call over the clients)
+    draw each client's masks; at p = 0 or 1 neither draws (as F.dropout)."""
     module = nn.Sequential(LAYERS[layer][0](p))
     xs = inputs(layer)
     source = ChunkDropout(SEED, ROUND, CLIENTS)
+    stacked = path == "stacked"
     outputs = []
     with source.swapped(module):
         for k, (sizes, on) in enumerate(CALLS):
-            with source.call(Call([0, 1, 2], on, [sizes], WIDTH, stacked=True)):
-                merged = module(xs[k].reshape(-1, *xs.shape[3:]))
-            outputs.append(merged.view(xs[k].shape))
+            with source.call(Call([0, 1, 2], on, [sizes], WIDTH, stacked=stacked)):
+                if stacked:
+                    merged = module(xs[k].reshape(-1, *xs.shape[3:]))
+                    outputs.append(merged.view(xs[k].shape))
+                else:
+                    outputs.append(vmap(module)(xs[k]))
     check(layer, p, outputs, xs)
-    if p in (0.0, 1.0):  # F.dropout draws nothing at p = 0 or 1: neither does the chunk
+    if p in (0.0, 1.0):
         fresh = ChunkDropout(SEED, ROUND, CLIENTS)
         for used, unused in zip(source.generators, fresh.generators, strict=True):
             assert torch.equal(used.get_state(), unused.get_state())
-
-
-@pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("layer", list(LAYERS))
-def test_vmap_rule_draws_each_clients_masks(layer, p):
-    module = nn.Sequential(LAYERS[layer][0](p))
-    xs = inputs(layer)
-    source = ChunkDropout(SEED, ROUND, CLIENTS)
-    outputs = []
-    with source.swapped(module):
-        for k, (sizes, on) in enumerate(CALLS):
-            with source.call(Call([0, 1, 2], on, [sizes], WIDTH)):
-                outputs.append(vmap(module)(xs[k]))
-    check(layer, p, outputs, xs)
 
 
 def test_a_call_over_some_clients_draws_from_theirs():

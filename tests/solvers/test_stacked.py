@@ -41,12 +41,8 @@ def batch(shape: tuple[int, ...], padded: bool) -> Batch:
     return Batch(x, y, w)
 
 
-@pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("padded", [False, True])
-def test_stacked_gradient_step_equals_each_clients_own(name, padded):
-    model = FunctionalModel(build_model(name, SHAPES[name], 5), "classification")
-    params = stacked_params(model, 0)
-    b = batch(SHAPES[name], padded)
+def own_steps(model: FunctionalModel, params: dict, b) -> tuple[list[dict], list[float]]:
+    """Each client's own autograd SGD step (lr 0.1) on its real samples, and its loss."""
     expected, losses = [], []
     for c in range(CLIENTS):
         own = {k: v[c].clone() for k, v in params.items()}
@@ -57,6 +53,16 @@ def test_stacked_gradient_step_equals_each_clients_own(name, padded):
             grads, loss = {k: torch.zeros_like(v) for k, v in own.items()}, torch.tensor(0.0)
         expected.append({k: own[k] - 0.1 * grads[k] for k in own})
         losses.append(float(loss))
+    return expected, losses
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("padded", [False, True])
+def test_stacked_gradient_step_equals_each_clients_own(name, padded):
+    model = FunctionalModel(build_model(name, SHAPES[name], 5), "classification")
+    params = stacked_params(model, 0)
+    b = batch(SHAPES[name], padded)
+    expected, losses = own_steps(model, params, b)
     got = stacked_sgd_step(model, params, b, 0.1)
     assert got.tolist() == pytest.approx(losses, abs=1e-5)
     for c in range(CLIENTS):
@@ -89,16 +95,7 @@ def test_both_convolution_forms_step_each_client_as_its_own(monkeypatch, form, n
     model = FunctionalModel(build_model(name, shape, 5), "classification")
     params = stacked_params(model, 3)
     b = batch(shape, padded=True)
-    expected, losses = [], []
-    for c in range(CLIENTS):
-        own = {k: v[c].clone() for k, v in params.items()}
-        real = b.w[c] > 0
-        if real.any():
-            grads, loss = model.grad_and_loss(own, {}, b.x[c][real], b.y[c][real])
-        else:
-            grads, loss = {k: torch.zeros_like(v) for k, v in own.items()}, torch.tensor(0.0)
-        expected.append({k: own[k] - 0.1 * grads[k] for k in own})
-        losses.append(float(loss))
+    expected, losses = own_steps(model, params, b)
     monkeypatch.setattr(stacked.F, "conv2d", counted)
     got = stacked_sgd_step(model, params, b, 0.1)
     monkeypatch.setattr(stacked.F, "conv2d", conv2d)
