@@ -388,6 +388,26 @@ def test_dropout_masks_follow_each_clients_stream(algorithm):
     assert_same(a, b)
 
 
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])
+def test_no_algorithm_draws_dropout_from_the_global_generator(algorithm):
+    """Every algorithm's training, deployment and server work, and the monitor's gradient
+    dissimilarity where a global model exists, draw dropout masks from the run's seeded streams: two runs that start from
+    different states of torch's global generator are bit for bit equal (0.1-0.9 s each)."""
+    cfg = config(algorithm, "mlp", {"kind": "sequential"}, 16)
+    cfg["train"]["rounds"] = 2
+    cfg["monitor"] = {"enabled": True}
+    runs = []
+    for global_seed in (123, 456):
+        torch.manual_seed(global_seed)
+        runs.append(fedloom.run(cfg, model=DropoutMLP(), write=False, progress=False))
+    a, b = runs
+    assert max_difference(a, b) == 0.0
+    assert [row["train_loss"] for row in a.history] == [row["train_loss"] for row in b.history]
+    zeta = [[row["monitor"].get("zeta2") for row in run.history] for run in runs]
+    assert zeta[0] == zeta[1]  # None for the algorithms without a global model
+    assert algorithm != "fedavg" or None not in zeta[0]
+
+
 CHUNK_HYPER = {
     "fedrep": {"head_steps": 2},
     "fedpac": {"head_steps": 2},
