@@ -117,10 +117,11 @@ def gradients(model, params, x, y, plan) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("form", ["pure", "vmap", "stacked"])
+@pytest.mark.parametrize("form", ["pure", "vmap", "stacked", "stacked-transposed"])
 def test_functional_adamw_step_equals_torch_adamw(form):
-    """The client programs' step (pure; vmapped over 3 clients; on a stacked chunk, in place)
-    fed torch's gradients reproduces torch's iterates."""
+    """The client programs' step (pure; vmapped over 3 clients; on a stacked chunk, in place,
+    also with gradients laid out transposed, as autograd returns a weight used as W^T in a
+    batched product) fed torch's gradients reproduces torch's iterates."""
     model, x, y, plan = model_and_data()
     params, _ = model.initial_state(2)
     expected = torch_adamw(model, params, x, y, plan)
@@ -143,8 +144,12 @@ def test_functional_adamw_step_equals_torch_adamw(form):
     for g in grads:
         if form == "vmap":
             p, m = step(p, g, m)
-        else:
+        elif form == "stacked":
             adamw_stacked_(p, rows(g), m, LR, OPT)
+        else:  # the same values, each matrix's rows and columns swapped in memory
+            laid = {k: v.mT.contiguous().mT if v.ndim == 3 else v for k, v in rows(g).items()}
+            assert not all(v.is_contiguous() for v in laid.values())
+            adamw_stacked_(p, laid, m, LR, OPT)
     for i in range(c):
         assert_close({k: v[i] for k, v in p.items()}, expected, MATCH)
 

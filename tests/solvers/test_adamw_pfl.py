@@ -1,6 +1,6 @@
 """``train.optimizer: adamw`` for the personalization algorithms with local steps of their own
-(algorithms/local_optimizer.py, docs/optimizers.md): APFL, pFedMe, Per-FedAvg, pFedMac and
-FedCR's stochastic program run with AdamW identically on the sequential and vectorized
+(algorithms/local_optimizer.py, docs/optimizers.md): APFL, pFedMe, Per-FedAvg, pFedMac,
+FedCR's stochastic program and FedRep run with AdamW identically on the sequential and vectorized
 backends (1e-4); AdamW changes the run (vs SGD at the same lr); moments kept in the client
 state (``moments: client``) change the run and survive a resume (Per-FedAvg, which keeps no
 client state, refuses them: tests/solvers/test_adamw.py)."""
@@ -21,10 +21,13 @@ HYPER = {
     "perfedavg": {"variant": "hf"},
     "pfedmac": {"inner_steps": 2, "lam": 0.01, "gamma": 0.001},
     "fedcr": {"num_samples": 2, "beta": 0.001},
+    "fedrep": {"head_epochs": 2},
 }
 """Options that make each algorithm's steps the interesting ones: APFL's adaptive alpha,
 two AdamW inner steps per local step (pFedMe, pFedMac with its soft threshold), Per-FedAvg's
-Hessian-free meta-gradient, FedCR's stochastic representation with the KL term."""
+Hessian-free meta-gradient, FedCR's stochastic representation with the KL term, FedRep's two
+phases (the head's on the frozen body's features, algorithms/frozen_body.py, stacked over a
+chunk on the vectorized backend)."""
 
 
 def config(algorithm: str, executor: str, rounds: int = 2, **optimizer) -> dict:

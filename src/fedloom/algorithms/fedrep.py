@@ -39,9 +39,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from pydantic import Field, ValidationInfo, field_validator
 
 from fedloom.algorithms.fedper import FedPer, FedPerConfig
+from fedloom.algorithms.frozen_body import (
+    body_features,
+    frozen_body_head,
+    head_loss,
+    stacked_head_step,
+)
 from fedloom.algorithms.weights import Weighting, weighting_field
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
@@ -49,6 +56,7 @@ from fedloom.errors import ConfigError
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.adamw import MOMENTS, adamw_step, init_moments
 from fedloom.solvers.local import LocalSolution, steps_per_epoch
+from fedloom.solvers.stacked_sgd import stacked_sgd_step
 from fedloom.solvers.steps import subset_loss_grad
 
 HEAD_EPOCHS = 10
@@ -131,9 +139,20 @@ class FedRepProgram(ClientProgram):
                 "AdamW moments at zero every round; use moments: round (docs/optimizers.md)"
             )
         self.head_keys, self.body_keys = algorithm.phase_keys()
+        self.feature_head: str | None = None
+        """The linear head's name when the head phase reads the frozen body's features
+        (``Plan.inputs``), decided by ``_decide_features``; None: it runs the whole model."""
+        self._features_decided = False
+        # the stacked forms (core/stacked.py) are FedRep's steps: a subclass that replaces a
+        # step (FedPAC's aligned body) has that step vmapped
+        stackable, cls = self.model.stacked() is not None, type(self)
+        head_stacked = stackable and cls.head_step is FedRepProgram.head_step
+        body_stacked = stackable and cls.body_step is FedRepProgram.body_step
+        head = self.stacked_head_step if head_stacked else None
+        body = self.stacked_body_step if body_stacked else None
         self.updates = (
-            Update("head", (HEAD,), self.head_step),
-            Update("body", (BATCHES,), self.body_step),
+            Update("head", (HEAD,), self.head_step, stacked=head),
+            Update("body", (BATCHES,), self.body_step, stacked=body),
         )
 
     def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
@@ -141,7 +160,35 @@ class FedRepProgram(ClientProgram):
         head = algorithm.ctx.make_plan(
             task.data, algorithm.head_phase_steps(task), "head", task.round, task.client_id
         )
-        return {HEAD: Plan(head), BATCHES: Plan(algorithm.client_plan(task), start=len(head))}
+        features = None
+        if self.feature_head is not None or self._decide_features(message, state, task):
+            assert self.feature_head is not None
+            params, buffers = algorithm.local_start(message, state, task)
+            features = body_features(
+                self.model, self.feature_head, params, buffers, task.data.x_train
+            )
+        return {
+            HEAD: Plan(head, inputs=features),
+            BATCHES: Plan(algorithm.client_plan(task), start=len(head)),
+        }
+
+    def _decide_features(self, message: Message, state: State | None, task: ClientTask) -> bool:
+        """Whether the head phase trains on the frozen body's features, computed once per
+        round (algorithms/frozen_body.py), decided at the run's first plan: when it runs whole
+        epochs (``head_epochs``, the default; ``head_steps`` may visit fewer samples than one
+        forward over the set) without augmentation, on a model whose linear head is its last
+        layer, without dropout or buffers."""
+        if self._features_decided:
+            return False
+        self._features_decided = True
+        cfg = self.algorithm.config
+        if cfg.head_steps is not None or cfg.head_epochs == 0 or self.augment is not None:
+            return False
+        params, buffers = self.algorithm.local_start(message, state, task)
+        x = task.data.x_train
+        probe = torch.zeros((1, *x.shape[1:]), dtype=x.dtype)  # any client's, even an empty one
+        self.feature_head = frozen_body_head(self.model, self.head_keys, params, buffers, probe)
+        return self.feature_head is not None
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         params, buffers = self.algorithm.local_start(message, state, task)  # [phi^t, h_k]
@@ -174,14 +221,58 @@ class FedRepProgram(ClientProgram):
     def head_step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
-        """h <- h - lr grad_h F_k(h, phi; B), the body frozen."""
-        return self._phase("head", self.head_keys, ops, carry, batches[0], shared["lr"])
+        """h <- h - lr grad_h F_k(h, phi; B), the body frozen; on the body's features when
+        the round computed them (``feature_head``)."""
+        if self.feature_head is None:
+            return self._phase("head", self.head_keys, ops, carry, batches[0], shared["lr"])
+        head = {k: carry["params"][k] for k in self.head_keys}
+        grads, loss = ops.value_and_grad(
+            lambda p, b: head_loss(self.model, self.feature_head, p, b), head, batches[0]
+        )
+        return self.phase_descend("head", ops, carry, grads, shared["lr"]), {"loss": loss}
 
     def body_step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
         """phi <- phi - lr grad_phi F_k(h, phi; B), the head frozen."""
         return self._phase("body", self.body_keys, ops, carry, batches[0], shared["lr"])
+
+    def stacked_head_step(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """``head_step`` for a whole chunk on a stackable model (core/stacked.py), in place."""
+        lr, moments = float(shared["lr"]), carry.get(f"{MOMENTS}/head")
+        if self.feature_head is not None:
+            params = carry["params"]
+            loss = stacked_head_step(
+                self.model, self.feature_head, params, batches[0], lr, self.optimizer, moments
+            )
+        else:
+            loss = stacked_sgd_step(
+                self.model,
+                carry["params"],
+                batches[0],
+                lr,
+                trainable=self.head_keys,
+                adamw=self.optimizer,
+                moments=moments,
+            )
+        return carry, {"loss": loss}
+
+    def stacked_body_step(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """``body_step`` for a whole chunk on a stackable model, in place."""
+        loss = stacked_sgd_step(
+            self.model,
+            carry["params"],
+            batches[0],
+            float(shared["lr"]),
+            trainable=self.body_keys,
+            adamw=self.optimizer,
+            moments=carry.get(f"{MOMENTS}/body"),
+        )
+        return carry, {"loss": loss}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun

@@ -132,9 +132,12 @@ def adamw_stacked_(params: Tree, grads: Tree, moments: Moments, lr: float, opt: 
     moments["step"].add_(1)
     counts = moments["step"].tolist()
     keys, rows = list(grads), range(len(counts))
+    # the fused kernel reads a gradient in its parameter's layout: a transposed one (autograd's
+    # gradient of a weight used as W^T in a batched product) would be read wrongly
+    dense = {k: g.contiguous() for k, g in grads.items()}
     fused_adamw_(
         [params[k][c] for k in keys for c in rows],
-        [grads[k][c] for k in keys for c in rows],
+        [dense[k][c] for k in keys for c in rows],
         [moments["m"][k][c] for k in keys for c in rows],
         [moments["v"][k][c] for k in keys for c in rows],
         [counts[c] for _ in keys for c in rows],

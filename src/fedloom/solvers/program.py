@@ -167,6 +167,12 @@ class Plan:
 
     batches: list[torch.Tensor]
     start: int = 0
+    inputs: torch.Tensor | None = None
+    """The rows the minibatches index, one per training sample (None: the client's training
+    inputs; the targets are always its training targets). A program whose update reads a
+    fixed function of the inputs computes it once and hands it over here: FedRep's head
+    phase trains on the frozen body's features (algorithms/fedrep.py). Such a plan's
+    minibatches are not augmented (``ClientProgram.augmentations``)."""
 
     @property
     def end(self) -> int:
@@ -241,12 +247,14 @@ class ClientProgram:
     def augmentations(self, plans: dict[str, Plan], task: ClientTask) -> dict[str, Augmentation]:
         """Each plan's augmentation draws for client ``task.client_id`` (stream (seed, round,
         client, 'augment') for the round's plan ``batches``, 'augment/<name>' for the others);
-        empty without augmentation."""
+        empty without augmentation. A plan with inputs of its own (``Plan.inputs``) is not
+        augmented."""
         if self.augment is None:
             return {}
         return {
             name: self.augment.draw(plan.batches, name, task.round, task.client_id)
             for name, plan in plans.items()
+            if plan.inputs is None
         }
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:

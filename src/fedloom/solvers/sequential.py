@@ -65,7 +65,7 @@ def run_steps(
                     n = idx.shape[0]
                     if n not in ones:
                         ones[n] = torch.ones(n)
-                    xb = x[idx]
+                    xb = x[idx] if plan.inputs is None else plan.inputs[idx]
                     if name in augments:
                         xb = augments[name].step(xb, s - plan.start)
                     batches.append(Batch(xb, y[idx], ones[n]))

@@ -20,6 +20,7 @@ so are a model's dropout masks, from the stream the sequential backend draws the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -234,6 +235,8 @@ class ChunkRunner:
         """Each plan's augmentation draws (steps, clients, width, 3) laid out like its arena
         rows (data/augment.py); empty without augmentation."""
         self._padding = program.augment.spec.crop_padding if program.augment else 0
+        self.sources: dict[str, Arena] = {}
+        """The arena each plan of the chunk gathers its minibatches from (``_source``)."""
 
     def run(
         self,
@@ -324,13 +327,28 @@ class ChunkRunner:
         self.augment_rows = {}
         for name in plans[0]:
             padded = [[NO_BATCH] * p[name].start + p[name].batches for p in plans]
-            draws = torch.cat([a[name].params for a in augments]) if augments[0] else None
-            rows, weight, sizes, laid = self.arena.batch_index(ids, padded, draws)
+            draws = torch.cat([a[name].params for a in augments]) if name in augments[0] else None
+            source = self.sources[name] = self._source(tasks, plans, name)
+            rows, weight, sizes, laid = source.batch_index(ids, padded, draws)
             index[name] = (rows.to(self.device), weight.to(self.device), sizes)
             present[name] = plan_presence(plans, name, sizes.shape[0])
             if laid is not None:
                 self.augment_rows[name] = laid.to(self.device)
         return index, present
+
+    def _source(self, tasks: list[ClientTask], plans: list[dict[str, Plan]], name: str) -> Arena:
+        """The run's arena of training inputs, or for a plan with inputs of its own
+        (``Plan.inputs``, FedRep's head features) an arena of the chunk's."""
+        inputs = [p[name].inputs for p in plans]
+        if all(x is None for x in inputs):
+            return self.arena
+        if any(x is None for x in inputs):
+            raise ValueError(f"plan {name}: every client of a chunk has inputs of its own or none")
+        own = {
+            t.client_id: dataclasses.replace(t.data, x_train=x)
+            for t, x in zip(tasks, inputs, strict=True)
+        }
+        return Arena(own, self.device)
 
     def _step_all(
         self,
@@ -391,11 +409,17 @@ class ChunkRunner:
         sums: dict[str, dict[str, torch.Tensor]],
     ) -> None:
         """``on``: which of ``rows`` have a minibatch of the update's lead plan at step s (the
-        others keep their carry)."""
-        arena = self.arena
+        others keep their carry). An update with a stacked form runs it on the clients that
+        take the step, gathered, rather than vmapping ``fn`` over them all with the others
+        masked (FedRep's phases start at each client's own step)."""
+        if update.stacked is not None and not bool(on.all()):
+            members = range(self.num)[rows] if isinstance(rows, slice) else rows
+            rows = [c for c, flag in zip(members, on.tolist(), strict=True) if flag]
+            on = torch.ones(len(rows), dtype=torch.bool)
         sub = [leaf[rows] for leaf in leaves]
         batches = []
         for name in update.plans:
+            arena = self.sources[name]
             plan_rows, plan_weight, _ = index[name]
             picked = plan_rows[s, rows, :width]
             flat = picked.reshape(-1)
@@ -416,12 +440,13 @@ class ChunkRunner:
         if update.draw is not None:
             batches[0] = (*batches[0], self._draws(update, rows, on))
         everyone = bool(on.all())
-        stacked = everyone and update.stacked is not None and isinstance(rows, slice)
+        stacked = everyone and update.stacked is not None
         masks = self._dropout_call(update, index, s, rows, width, on, stacked)
         on = on.to(self.device)
         if stacked:
             assert update.stacked is not None
             # every client steps: the stacked update, in place on views of the chunk's carry
+            # (a slice of it) or on the gathered rows (copied back below)
             with masks:
                 new_carry, metrics = update.stacked(
                     spec.build(sub), tuple(Batch(*b) for b in batches), shared
@@ -498,9 +523,9 @@ class ChunkRunner:
         are gathered into (index_select with out=): faster than advanced indexing x[rows]
         for wide rows (benchmarks/README.md, Design measurements), and no fresh 31 MB block
         per step (W3)."""
-        x, y = self.arena.x, self.arena.y
         out = {}
         for name, (rows, _, _) in index.items():
+            x, y = self.sources[name].x, self.sources[name].y
             n = num * rows.shape[2]
             out[name] = (
                 torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=self.device),
