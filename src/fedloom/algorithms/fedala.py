@@ -212,7 +212,7 @@ class FedALAProgram(SGDProgram):
         self.config: FedALAConfig = algorithm.config  # type: ignore[assignment]
         self.updates = (
             Update(ALA, (WEIGHTS,), self.ala_step),
-            Update(self.STEP, (BATCHES,), self.step),
+            Update(self.STEP, (BATCHES,), self.step, stacked=self.stacked_form()),
         )
 
     def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:

@@ -239,7 +239,7 @@ class FedASProgram(SGDProgram):
         self.config: FedASConfig = algorithm.config  # type: ignore[assignment]
         self.updates = (
             Update("align", (ALIGN,), self.align_step),
-            Update(self.STEP, (BATCHES,), self.step),
+            Update(self.STEP, (BATCHES,), self.step, stacked=self.stacked_form()),
         )
 
     def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:

@@ -16,6 +16,7 @@ from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops
 from fedloom.solvers.adamw import MOMENTS, Moments, adamw_step, init_moments
 from fedloom.solvers.local import BatchObjective, LocalSolution, local_sgd
 from fedloom.solvers.ops import DP_BATCH, PrivacyRefused, private_update
+from fedloom.solvers.program import StackedFn
 from fedloom.solvers.stacked_sgd import stacked_correction, stacked_sgd_step
 
 if TYPE_CHECKING:
@@ -264,6 +265,47 @@ class SGDProgram(StepProgram):
                 grads = {k: g + extra[k] for k, g in grads.items()}
         return self.descend(ops, carry, grads, shared["lr"]), {"loss": loss}
 
+    def stacked_form(self) -> StackedFn | None:
+        """``stacked_step`` where it is this program's ``step`` (not replaced by a subclass)
+        on a stackable model (core/stacked.py) outside sample-level DP, for a program's
+        ``Update`` of its SGD steps (FedAvg's, and FedALA's and FedAS's after their own
+        phases); None: the step is vmapped."""
+        if self.private is not None or self.model.stacked() is None:
+            return None
+        cls = type(self)
+        own = all(
+            getattr(cls, name) is getattr(SGDProgram, name)
+            for name in ("step", "data_grad", "descend")
+        )
+        return self.stacked_step if own else None
+
+    def stacked_step(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        """``step`` for C clients at once, in place on the stacked carry."""
+        (batch,) = batches
+        params = carry["params"]
+        extra, rule = None, self.correction
+        if rule is not None:
+            message = shared["message"]
+
+            def correction(p: Tree, state: State | None) -> Tree | None:
+                return rule(p, message, state)
+
+            extra = stacked_correction(correction, params, carry.get("state"))
+        loss = stacked_sgd_step(
+            self.model,
+            params,
+            batch,
+            float(shared["lr"]),
+            extra,
+            carry.get("velocity"),
+            self.momentum,
+            adamw=self.optimizer,
+            moments=carry.get(MOMENTS),
+        )
+        return carry, {"loss": loss}
+
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
     ) -> ClientResult:
@@ -339,35 +381,9 @@ class PlainSGDProgram(SGDProgram):
 
     def __init__(self, algorithm: Algorithm, **options: Any) -> None:
         super().__init__(algorithm, **options)
-        if self.private is None and self.model.stacked() is not None:
-            self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=self.stacked_step),)
-
-    def stacked_step(
-        self, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
-    ) -> tuple[Carry, dict]:
-        """``step`` for C clients at once, in place on the stacked carry."""
-        (batch,) = batches
-        params = carry["params"]
-        extra, rule = None, self.correction
-        if rule is not None:
-            message = shared["message"]
-
-            def correction(p: Tree, state: State | None) -> Tree | None:
-                return rule(p, message, state)
-
-            extra = stacked_correction(correction, params, carry.get("state"))
-        loss = stacked_sgd_step(
-            self.model,
-            params,
-            batch,
-            float(shared["lr"]),
-            extra,
-            carry.get("velocity"),
-            self.momentum,
-            adamw=self.optimizer,
-            moments=carry.get(MOMENTS),
-        )
-        return carry, {"loss": loss}
+        stacked = self.stacked_form()
+        if stacked is not None:
+            self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=stacked),)
 
     def run_lean(
         self, message: Message, state: State | None, task: ClientTask
