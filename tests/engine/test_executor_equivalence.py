@@ -268,7 +268,7 @@ DROPOUT_CASES = [
     ("fedavg", "bn", False),
     ("fedprox", "mlp", False),
     ("ditto", "mlp", False),
-    ("ditto", "cnn2d", False),
+    ("ditto", "cnn2d", True),  # its global and personal steps have stacked forms
     ("moon", "mlp", False),
     # deployment fine-tunes one client at a time on the vectorized executor too
     ("fedavg_ft", "sequential", True),
@@ -391,8 +391,9 @@ def test_dropout_masks_follow_each_clients_stream(algorithm):
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS.names() if a not in NEEDS_NORM_LAYERS])
 def test_no_algorithm_draws_dropout_from_the_global_generator(algorithm):
     """Every algorithm's training, deployment and server work, and the monitor's gradient
-    dissimilarity where a global model exists, draw dropout masks from the run's seeded streams: two runs that start from
-    different states of torch's global generator are bit for bit equal (0.1-0.9 s each)."""
+    dissimilarity where a global model exists, draw dropout masks from the run's seeded
+    streams: two runs that start from different states of torch's global generator are bit
+    for bit equal (0.1-0.9 s each)."""
     cfg = config(algorithm, "mlp", {"kind": "sequential"}, 16)
     cfg["train"]["rounds"] = 2
     cfg["monitor"] = {"enabled": True}

@@ -70,10 +70,12 @@ from fedloom.solvers.program import (
     ClientRun,
     Ops,
     Plan,
+    StackedFn,
     Update,
     UpdateFn,
 )
 from fedloom.solvers.sequential import run_steps
+from fedloom.solvers.stacked_sgd import stacked_sgd_step
 from fedloom.solvers.steps import loss_grad, prox_sgd_step
 
 NOT_GLOBAL = ("ditto",)
@@ -260,15 +262,32 @@ class DittoProgram(ClientProgram):
         super().__init__(algorithm.ctx.model, algorithm.ctx.seed)
         self.algorithm = algorithm
         self.inner = client_program(algorithm.inner)
+        # on a stackable model (core/stacked.py) the vectorized executor runs (9) and the
+        # global algorithm's updates that have a stacked form without vmap
+        personal = self.stacked_personal_step if self.model.stacked() is not None else None
         self.updates = (
-            *(Update(u.name, u.plans, self._lift(u.fn)) for u in self.inner.updates),
-            Update("personal", (PERSONAL,), self.personal_step),
+            *(
+                Update(u.name, u.plans, self._lift(u.fn), stacked=self._lift_stacked(u.stacked))
+                for u in self.inner.updates
+            ),
+            Update("personal", (PERSONAL,), self.personal_step, stacked=personal),
         )
 
     @staticmethod
     def _lift(fn: UpdateFn) -> UpdateFn:
         def lifted(ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict) -> Any:
             inner, metrics = fn(ops, carry["inner"], batches, shared["inner"])
+            return {**carry, "inner": inner}, metrics
+
+        return lifted
+
+    @staticmethod
+    def _lift_stacked(fn: StackedFn | None) -> StackedFn | None:
+        if fn is None:
+            return None
+
+        def lifted(carry: Carry, batches: tuple[Batch, ...], shared: dict) -> Any:
+            inner, metrics = fn(carry["inner"], batches, shared["inner"])
             return {**carry, "inner": inner}, metrics
 
         return lifted
@@ -329,6 +348,25 @@ class DittoProgram(ClientProgram):
             )
         new["personal"] = {"params": params, "buffers": personal["buffers"]}
         return new, {"loss": loss}
+
+    def stacked_personal_step(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """(9) for a whole chunk at once, in place on the stacked omega: the proximal pull
+        mu (omega - theta^t) as the step's extra gradient term."""
+        omega = carry["personal"]["params"]
+        anchor, mu = carry.get("anchor", shared["anchor"]), shared["mu"]
+        pull = {k: mu * (w - anchor[k]) for k, w in omega.items()}
+        loss = stacked_sgd_step(
+            self.model,
+            omega,
+            batches[0],
+            float(shared["lr"]),
+            pull,
+            adamw=self.algorithm.ctx.optimizer,
+            moments=carry.get(PERSONAL_MOMENTS),
+        )
+        return carry, {"loss": loss}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
