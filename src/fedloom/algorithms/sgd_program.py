@@ -177,6 +177,8 @@ class SGDProgram(StepProgram):
                     algorithm.name,
                 ),
             )
+        elif (stacked := self.stacked_form()) is not None:
+            self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=stacked),)
 
     def data_grad(self, ops: Ops, carry: Carry, batch: Batch) -> tuple[Tree, torch.Tensor]:
         """grad F_k(w; B) and F_k(w; B) at the carry's ``params`` (``ops.loss_grad``): the
@@ -267,9 +269,9 @@ class SGDProgram(StepProgram):
 
     def stacked_form(self) -> StackedFn | None:
         """``stacked_step`` where it is this program's ``step`` (not replaced by a subclass)
-        on a stackable model (core/stacked.py) outside sample-level DP, for a program's
-        ``Update`` of its SGD steps (FedAvg's, and FedALA's and FedAS's after their own
-        phases); None: the step is vmapped."""
+        on a stackable model (core/stacked.py) outside sample-level DP: the stacked form of
+        the SGD steps of the FedAvg family, FedFomo, and FedALA's and FedAS's after their own
+        phases; None: the step is vmapped."""
         if self.private is not None or self.model.stacked() is None:
             return None
         cls = type(self)
@@ -377,13 +379,8 @@ class PlainSGDProgram(SGDProgram):
     with a step of its own derives from :class:`SGDProgram`.
 
     On a stackable model (core/stacked.py) the vmap backend runs the step for a whole chunk
-    without ``vmap`` (``stacked_step``), except under sample-level DP."""
-
-    def __init__(self, algorithm: Algorithm, **options: Any) -> None:
-        super().__init__(algorithm, **options)
-        stacked = self.stacked_form()
-        if stacked is not None:
-            self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=stacked),)
+    without ``vmap`` (``stacked_step``, as for every :class:`SGDProgram` that keeps its
+    step: ``stacked_form``), except under sample-level DP."""
 
     def run_lean(
         self, message: Message, state: State | None, task: ClientTask
