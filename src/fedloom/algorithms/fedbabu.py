@@ -45,8 +45,10 @@ from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import select
 from fedloom.errors import ConfigError
-from fedloom.solvers import Batch, Carry, ClientProgram, Ops
+from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, Ops, Update
+from fedloom.solvers.adamw import MOMENTS
 from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.stacked_sgd import stacked_sgd_step
 
 
 class FedBABUConfig(FedAvgFTConfig):
@@ -126,6 +128,24 @@ class BodySGDProgram(SGDProgram):
     def __init__(self, algorithm: FedBABU) -> None:
         super().__init__(algorithm, finish=algorithm.upload_body)
         self.body = set(algorithm.body)
+        if self.private is None and self.model.stacked() is not None:
+            self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=self.stacked_body),)
+
+    def stacked_body(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        """``step`` for a whole chunk on a stackable model (core/stacked.py), in place: the
+        body moves, the head keeps its random initialization."""
+        loss = stacked_sgd_step(
+            self.model,
+            carry["params"],
+            batches[0],
+            float(shared["lr"]),
+            trainable=self.body,
+            adamw=self.optimizer,
+            moments=carry.get(MOMENTS),
+        )
+        return carry, {"loss": loss}
 
     def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
