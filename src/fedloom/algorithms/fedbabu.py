@@ -48,7 +48,7 @@ from fedloom.errors import ConfigError
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, Ops, Update
 from fedloom.solvers.adamw import MOMENTS
 from fedloom.solvers.local import LocalSolution
-from fedloom.solvers.stacked_sgd import stacked_sgd_step
+from fedloom.solvers.stacked_sgd import stacked_update
 
 
 class FedBABUConfig(FedAvgFTConfig):
@@ -136,16 +136,8 @@ class BodySGDProgram(SGDProgram):
     ) -> tuple[Carry, dict]:
         """``step`` for a whole chunk on a stackable model (core/stacked.py), in place: the
         body moves, the head keeps its random initialization."""
-        loss = stacked_sgd_step(
-            self.model,
-            carry["params"],
-            batches[0],
-            float(shared["lr"]),
-            trainable=self.body,
-            adamw=self.optimizer,
-            moments=carry.get(MOMENTS),
-        )
-        return carry, {"loss": loss}
+        lr, moments = float(shared["lr"]), carry.get(MOMENTS)
+        return stacked_update(self.model, carry, batches[0], lr, self.body, self.optimizer, moments)
 
     def step(
         self, ops: Ops, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]

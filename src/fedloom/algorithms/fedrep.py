@@ -56,7 +56,7 @@ from fedloom.errors import ConfigError
 from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Plan, Update
 from fedloom.solvers.adamw import MOMENTS, adamw_step, init_moments
 from fedloom.solvers.local import LocalSolution, steps_per_epoch
-from fedloom.solvers.stacked_sgd import stacked_sgd_step
+from fedloom.solvers.stacked_sgd import stacked_update
 from fedloom.solvers.steps import subset_loss_grad
 
 HEAD_EPOCHS = 10
@@ -242,37 +242,24 @@ class FedRepProgram(ClientProgram):
     ) -> tuple[Carry, dict]:
         """``head_step`` for a whole chunk on a stackable model (core/stacked.py), in place."""
         lr, moments = float(shared["lr"]), carry.get(f"{MOMENTS}/head")
-        if self.feature_head is not None:
-            params = carry["params"]
-            loss = stacked_head_step(
-                self.model, self.feature_head, params, batches[0], lr, self.optimizer, moments
+        if self.feature_head is None:
+            return stacked_update(
+                self.model, carry, batches[0], lr, self.head_keys, self.optimizer, moments
             )
-        else:
-            loss = stacked_sgd_step(
-                self.model,
-                carry["params"],
-                batches[0],
-                lr,
-                trainable=self.head_keys,
-                adamw=self.optimizer,
-                moments=moments,
-            )
+        params = carry["params"]
+        loss = stacked_head_step(
+            self.model, self.feature_head, params, batches[0], lr, self.optimizer, moments
+        )
         return carry, {"loss": loss}
 
     def stacked_body_step(
         self, carry: Carry, batches: tuple[Batch, ...], shared: dict
     ) -> tuple[Carry, dict]:
         """``body_step`` for a whole chunk on a stackable model, in place."""
-        loss = stacked_sgd_step(
-            self.model,
-            carry["params"],
-            batches[0],
-            float(shared["lr"]),
-            trainable=self.body_keys,
-            adamw=self.optimizer,
-            moments=carry.get(f"{MOMENTS}/body"),
+        lr, moments = float(shared["lr"]), carry.get(f"{MOMENTS}/body")
+        return stacked_update(
+            self.model, carry, batches[0], lr, self.body_keys, self.optimizer, moments
         )
-        return carry, {"loss": loss}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun

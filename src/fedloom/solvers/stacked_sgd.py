@@ -162,3 +162,21 @@ def _gathered(
             y[row, :n] = d.y_train[idx]
             w[row, :n] = 1.0
     return Batch(x, y, w)
+
+
+def stacked_update(
+    model: FunctionalModel,
+    carry: dict[str, Any],
+    batch: Batch,
+    lr: float,
+    trainable: Collection[str] | None = None,
+    adamw: AdamW | None = None,
+    moments: Moments | None = None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A program's stacked update (``Update.stacked``) of one SGD or AdamW step on the
+    ``trainable`` keys of ``carry['params']``, in place: (the carry, its losses as the
+    ``loss`` metric). FedRep's phases and FedBABU's body steps."""
+    loss = stacked_sgd_step(
+        model, carry["params"], batch, lr, trainable=trainable, adamw=adamw, moments=moments
+    )
+    return carry, {"loss": loss}
