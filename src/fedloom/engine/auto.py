@@ -69,8 +69,9 @@ class CostModel:
     rate: float = 100e9
     """Floating-point operations per second of one client's step of a linear model, one
     thread."""
-    conv_rate: float = 40e9
-    """The same for a model with convolutions."""
+    conv_rate: float = 90e9
+    """The same for a model with convolutions (the one-client loop as fast as plain PyTorch
+    since issue #37: the FedAvg paper's CNN at B = 10 in 3.8 s a round)."""
     thread_speedup: float = 1.6
     """A step of at least SMALL_STEP_MACS on every core against one (smaller steps do not
     speed up with threads: the sequential candidate on all cores is not considered)."""
@@ -86,9 +87,10 @@ class CostModel:
     """Per batched update under ``vmap``."""
     vector_rate: float = 100e9
     """Floating-point operations per second of a batched linear model's step, one thread."""
-    conv_vector_rate: float = 40e9
-    """The same for a model with convolutions: one grouped convolution runs at about the
-    sequential backend's rate per FLOP (measured at 8x8 and 28x28 inputs)."""
+    conv_vector_rate: float = 110e9
+    """The same for a model with convolutions, refitted after issue #37 (first layers as
+    separate per-client convolutions) to the FedAvg paper's CNN at B = 10 and the default
+    experiment's CNN (benchmarks/README.md, "Auto's cost model after issue #37")."""
     bandwidth: float = 25e9
     """Bytes per second a batched step streams its clients' parameters at, one thread."""
     touch: float = 12.0
@@ -106,6 +108,14 @@ class CostModel:
     default experiment's CNN 0.160 against 0.133 s."""
     big_step_flops: float = 3e8
     """Floating-point operations of one batched step above which threads pay."""
+    big_conv_step_flops: float = 3e9
+    """The same for a model with convolutions: the FedAvg paper's CNN at B = 10 (10 clients,
+    7.4 GFLOP a step) ran 1.5x faster at 2 threads, the default experiment's CNN (0.8 GFLOP)
+    1.4x slower (benchmarks/README.md, "Auto's cost model after issue #37")."""
+    conv_client_step: float = 5.0e-4
+    """Per client and update of a stacked step of a model with convolutions: a first layer of
+    at most 3 input channels runs as one convolution per client (core/stacked.py), and each
+    layer's per-client views cost Python time."""
 
 
 COSTS = CostModel()
@@ -157,12 +167,15 @@ def estimate(kind: str, threads: int, shape: Shape, chunk: int, costs: CostModel
         rate = (costs.conv_rate if shape.conv else costs.rate) * speedup
         per_update = (costs.step if shape.lean else costs.generic_step) + shape.flops / rate
         return shape.clients * costs.client + updates * per_update
-    big = not shape.conv and chunk * shape.flops >= costs.big_step_flops
+    threshold = costs.big_conv_step_flops if shape.conv else costs.big_step_flops
+    big = chunk * shape.flops >= threshold
     scaling = 1.0 if threads == 1 else costs.thread_scaling if big else costs.small_thread_scaling
     rate = (costs.conv_vector_rate if shape.conv else costs.vector_rate) * scaling
     fixed = costs.stacked_step if shape.stacked else costs.vmap_step
     touch = costs.touch if shape.stacked else costs.vmap_touch
     per_client = shape.flops / rate + touch * shape.params / (costs.bandwidth * scaling)
+    if shape.conv and shape.stacked:
+        per_client += costs.conv_client_step
     chunks = math.ceil(shape.clients / max(1, chunk))
     batched_updates = chunks * shape.steps * shape.updates
     return batched_updates * fixed + updates * per_client + shape.clients * costs.vector_client
