@@ -412,10 +412,11 @@ class ChunkRunner:
         others keep their carry). An update with a stacked form runs it on the clients that
         take the step, gathered, rather than vmapping ``fn`` over them all with the others
         masked (FedRep's phases start at each client's own step)."""
-        if update.stacked is not None and not bool(on.all()):
+        everyone = bool(on.all())
+        if update.stacked is not None and not everyone:
             members = range(self.num)[rows] if isinstance(rows, slice) else rows
             rows = [c for c, flag in zip(members, on.tolist(), strict=True) if flag]
-            on = torch.ones(len(rows), dtype=torch.bool)
+            on, everyone = torch.ones(len(rows), dtype=torch.bool), True
         sub = [leaf[rows] for leaf in leaves]
         batches = []
         for name in update.plans:
@@ -439,7 +440,6 @@ class ChunkRunner:
             )
         if update.draw is not None:
             batches[0] = (*batches[0], self._draws(update, rows, on))
-        everyone = bool(on.all())
         stacked = everyone and update.stacked is not None
         masks = self._dropout_call(update, index, s, rows, width, on, stacked)
         on = on.to(self.device)
