@@ -57,6 +57,7 @@ from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
+from torch.func import vmap
 
 from fedloom.algorithms.base import AlgorithmConfig, AlgorithmContext
 from fedloom.algorithms.fedproto import (
@@ -74,8 +75,11 @@ from fedloom.algorithms.wire import Wire
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree
+from fedloom.core.stacked import FeaturePenalty
 from fedloom.solvers import Batch, Carry, ClientProgram, Ops
+from fedloom.solvers.adamw import MOMENTS
 from fedloom.solvers.local import LocalSolution
+from fedloom.solvers.stacked_sgd import stacked_update
 
 HEAD_EPOCHS = 1
 """tau_h when neither ``head_steps`` nor ``head_epochs`` is set: the authors' one epoch."""
@@ -289,3 +293,21 @@ class FedPACProgram(FedRepProgram):
         body = {k: params[k] for k in self.body_keys}
         grads, value = ops.value_and_grad(loss, body, carry["buffers"])
         return self.phase_descend("body", ops, carry, grads, shared["lr"]), {"loss": value}
+
+    def stacked_body_step(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict
+    ) -> tuple[Carry, dict]:
+        """``body_step`` for a whole chunk on a stackable model (core/stacked.py), in place:
+        the alignment term on the head's input features of each client's minibatch."""
+        if not shared["aligned"]:
+            return super().stacked_body_step(carry, batches, shared)
+        table, known, lamda = shared["protos"], shared["known"], self.lamda
+
+        def one_client(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return lamda * prototype_loss(h, y, table, known, w=w)[0]
+
+        penalty = FeaturePenalty(self.head_name, vmap(one_client))
+        lr, moments = float(shared["lr"]), carry.get(f"{MOMENTS}/body")
+        return stacked_update(
+            self.model, carry, batches[0], lr, self.body_keys, self.optimizer, moments, penalty
+        )

@@ -144,16 +144,24 @@ class FedRepProgram(ClientProgram):
         (``Plan.inputs``), decided by ``_decide_features``; None: it runs the whole model."""
         self._features_decided = False
         # the stacked forms (core/stacked.py) are FedRep's steps: a subclass that replaces a
-        # step (FedPAC's aligned body) has that step vmapped
-        stackable, cls = self.model.stacked() is not None, type(self)
-        head_stacked = stackable and cls.head_step is FedRepProgram.head_step
-        body_stacked = stackable and cls.body_step is FedRepProgram.body_step
+        # step has it vmapped, unless it replaces the step's stacked form too (FedPAC's body)
+        stackable = self.model.stacked() is not None
+        head_stacked = stackable and self._stacked_matches("head_step", "stacked_head_step")
+        body_stacked = stackable and self._stacked_matches("body_step", "stacked_body_step")
         head = self.stacked_head_step if head_stacked else None
         body = self.stacked_body_step if body_stacked else None
         self.updates = (
             Update("head", (HEAD,), self.head_step, stacked=head),
             Update("body", (BATCHES,), self.body_step, stacked=body),
         )
+
+    def _stacked_matches(self, step: str, stacked: str) -> bool:
+        """Whether the stacked form ``stacked`` computes this program's ``step``: the step is
+        FedRep's own, or a subclass that replaces it gives its stacked form too."""
+        cls = type(self)
+        own_step = getattr(cls, step) is not getattr(FedRepProgram, step)
+        own_stacked = getattr(cls, stacked) is not getattr(FedRepProgram, stacked)
+        return own_stacked or not own_step
 
     def plans(self, message: Message, state: State | None, task: ClientTask) -> dict[str, Plan]:
         algorithm = self.algorithm

@@ -134,13 +134,28 @@ def stackable(module: nn.Module) -> bool:
     return owners == sum(1 for _ in module.parameters())
 
 
+@dataclass(frozen=True)
+class FeaturePenalty:
+    """An extra term of each client's loss on the input of one linear layer (the features
+    that layer reads), added to its weighted mean loss: FedPAC's alignment of the features
+    to class centroids (algorithms/fedpac.py)."""
+
+    layer: str
+    """The linear layer's module name (e.g. ``fc3``)."""
+    loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    """(features (C, B, d), targets (C, B, ...), sample weights (C, B)) -> the C terms."""
+
+
 @dataclass
 class Taps:
     """What a stacked forward pass recorded for the gradient: each linear layer's input H
-    (C, n, in) and the zero tap added to its output (C, n, out)."""
+    (C, n, in) and the zero tap added to its output (C, n, out); and, for ``watch`` (a linear
+    layer's name prefix, e.g. ``fc3.``), its input still in the graph (``features``)."""
 
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     taps: dict[str, torch.Tensor] = field(default_factory=dict)
+    watch: str | None = None
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -199,7 +214,7 @@ class StackedModel:
         minibatches runs each client's rows with its own stacked ``params`` (with ``taps``:
         recording what :meth:`value_and_grad` needs)."""
         for name, layer in self.layers.items():
-            prefix = f"{name}." if name else ""
+            prefix = _prefix(name)
             weight = params[prefix + "weight"]
             bias = params.get(prefix + "bias") if layer.bias is not None else None
             if isinstance(layer, nn.Linear):
@@ -227,20 +242,22 @@ class StackedModel:
         loss: Loss,
         trainable: set[str] | None = None,
         task: str | None = None,
+        penalty: FeaturePenalty | None = None,
     ) -> tuple[StackedGrad, torch.Tensor]:
         """Each client's gradient of its weighted mean loss sum_i w_i l_i / sum_i w_i on its
-        minibatch (x, y, w: (C, B, ...)), and the C losses. ``trainable``: the keys to
-        differentiate (default: all). ``task``: ``loss`` is the model's own per-sample loss
-        of that task (``FunctionalModel.per_sample_loss``), so that a ReLU chain can run its
-        backward by hand (core/stacked_chain.py)."""
-        if self.chain is not None and task is not None:
+        minibatch (x, y, w: (C, B, ...)), plus its ``penalty`` term if given, and the C
+        losses. ``trainable``: the keys to differentiate (default: all). ``task``: ``loss`` is
+        the model's own per-sample loss of that task (``FunctionalModel.per_sample_loss``), so
+        that a ReLU chain can run its backward by hand (core/stacked_chain.py) when there is
+        no penalty."""
+        if self.chain is not None and task is not None and penalty is None:
             factors, dense, losses = self.by_hand(params, x, y, w, task)
             if trainable is not None:
                 factors = {k: v for k, v in factors.items() if k in trainable}
                 dense = {k: v for k, v in dense.items() if k in trainable}
             return StackedGrad(factors, dense), losses
         clients, width = x.shape[0], x.shape[1]
-        taps = Taps()
+        taps = Taps(watch=None if penalty is None else _prefix(penalty.layer))
         leaves = {
             k: params[k].detach().requires_grad_(True)
             for k in self.conv_keys
@@ -250,6 +267,9 @@ class StackedModel:
             out = self.module(x.reshape(-1, *x.shape[2:]))
             per = loss(out, y.reshape(-1, *y.shape[2:])).view(clients, width)
             losses = (per * w).sum(1) / w.sum(1).clamp_min(1.0)
+            if penalty is not None:
+                assert taps.features is not None, f"no linear layer {penalty.layer!r} ran"
+                losses = losses + penalty.loss(taps.features, y, w)
             wanted = {
                 name: tap
                 for name, tap in taps.taps.items()
@@ -274,6 +294,11 @@ class StackedModel:
             grad, losses = output_gradient(hs[-1], y, w, task)
             factors, dense = chain_gradients(self.chain, params, hs, grad)
         return factors, dense, losses
+
+
+def _prefix(name: str) -> str:
+    """A layer's parameter-key prefix: ``fc3`` -> ``fc3.``, the root module -> ``''``."""
+    return f"{name}." if name else ""
 
 
 def _linear_gradients(
@@ -305,6 +330,8 @@ def _stacked_linear(
             else torch.bmm(rows, weight.transpose(1, 2))
         )
         if taps is not None:
+            if taps.watch == name:
+                taps.features = rows
             taps.inputs[name] = rows.detach()
             if out.requires_grad:  # autograd can stop at this output itself
                 taps.taps[name] = out

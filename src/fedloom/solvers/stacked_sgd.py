@@ -22,6 +22,7 @@ from torch.func import vmap
 from fedloom.core.functional import FunctionalModel
 from fedloom.core.protocol import ClientData
 from fedloom.core.pytree import Tree
+from fedloom.core.stacked import FeaturePenalty
 from fedloom.data.augment import Augmentation
 from fedloom.solvers.adamw import AdamW, Moments, adamw_stacked_
 from fedloom.solvers.program import Batch
@@ -44,17 +45,19 @@ def stacked_sgd_step(
     trainable: Collection[str] | None = None,
     adamw: AdamW | None = None,
     moments: Moments | None = None,
+    penalty: FeaturePenalty | None = None,
 ) -> torch.Tensor:
     """One SGD step of every client in ``params`` (stacked, updated in place) on its
     minibatch of ``batch`` (x, y, w stacked (C, B, ...)); returns the C losses before the step.
     ``extra``: an extra gradient term per client (already evaluated at ``params``);
     ``velocity``: heavy-ball buffers, updated in place; ``trainable``: the keys that move;
-    ``adamw``: an AdamW step instead, with the stacked ``moments`` (updated in place)."""
+    ``adamw``: an AdamW step instead, with the stacked ``moments`` (updated in place);
+    ``penalty``: a term on a linear layer's input features added to each client's loss."""
     stacked = model.stacked()
     assert stacked is not None, "stacked_sgd_step needs a stackable model"
     keys = set(trainable) if trainable is not None else None
     grads, losses = stacked.value_and_grad(
-        params, batch.x, batch.y, batch.w, model.per_sample_loss, keys, model.task
+        params, batch.x, batch.y, batch.w, model.per_sample_loss, keys, model.task, penalty
     )
     with torch.no_grad():
         if adamw is not None:
@@ -172,11 +175,20 @@ def stacked_update(
     trainable: Collection[str] | None = None,
     adamw: AdamW | None = None,
     moments: Moments | None = None,
+    penalty: FeaturePenalty | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A program's stacked update (``Update.stacked``) of one SGD or AdamW step on the
     ``trainable`` keys of ``carry['params']``, in place: (the carry, its losses as the
-    ``loss`` metric). FedRep's phases and FedBABU's body steps."""
+    ``loss`` metric). FedRep's phases, FedPAC's aligned body (``penalty``) and FedBABU's body
+    steps."""
     loss = stacked_sgd_step(
-        model, carry["params"], batch, lr, trainable=trainable, adamw=adamw, moments=moments
+        model,
+        carry["params"],
+        batch,
+        lr,
+        trainable=trainable,
+        adamw=adamw,
+        moments=moments,
+        penalty=penalty,
     )
     return carry, {"loss": loss}
