@@ -26,26 +26,17 @@ Exit status 2 when pfl is not installed. See benchmarks/README.md, "pfl_baseline
 
 from __future__ import annotations
 
-import os
-import sys
-
-if "--omp-spin" in sys.argv[1:]:
-    # libgomp's default spinning (what a plain PyTorch script such as pfl's runs under); set
-    # before torch loads, and kept by ``import fedloom``, which respects a user's setting
-    os.environ.setdefault("GOMP_SPINCOUNT", "300000")
-if not any(v in os.environ for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
-    # what ``import fedloom`` sets before torch loads (engine/threads.py): both sides run
-    # under the same OpenMP wait policy (as flower_baseline.py does)
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
 import argparse
 import importlib.util
 import itertools
 import json
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
+import openmp_policy  # noqa: F401  (first: OpenMP's wait policy, before torch loads)
 import peer_settings
 import roofline
 import torch

@@ -11,7 +11,7 @@ Usage::
     FEDLOOM_DATA=../shared/data FEDLOOM_OFFLINE=1 PYTHONPATH=src \\
         python benchmarks/roofline.py [--workloads W1,W3,pfl_cifar10,fedavg_2nn]
         [--executors auto,sequential,vectorized,processes,sequential/t1] [--rounds 3]
-        [--quick] [--json OUT]
+        [--quick] [--json OUT] [--omp-spin]
 
 Workloads: round_time.py's (``W1``, ``W2``, ``W3``, ``pfl``, ``W3-ditto``, ...; every client
 each round) and peer_settings.py's ``pfl_cifar10`` and ``fedavg_2nn``. See
@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import openmp_policy  # first: OpenMP's wait policy, before torch loads
 import peer_settings
 import round_time
 import torch
@@ -389,6 +390,7 @@ def measure(
 def format_table(results: dict[str, Any]) -> str:
     peaks = results["peaks"]
     lines = [
+        f"OpenMP wait: {results['openmp_wait']} (--omp-spin: libgomp's default spinning)",
         f"peaks ({peaks['threads']} threads): GEMM {peaks['gemm_gflops']:.1f} GFLOP/s "
         f"(float32 {peaks['gemm_size']}^2 torch.mm), conv {peaks['conv_gflops']:.1f} GFLOP/s "
         "(float32 conv2d 3x3 forward + weight and input gradients; by shape "
@@ -442,6 +444,7 @@ def run(
         "workloads": workloads,
         "rounds": rounds,
         "load_average": os.getloadavg(),
+        "openmp_wait": openmp_policy.POLICY,
         "not_counted": NOT_COUNTED,
     }
 
@@ -455,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help=f"at most {QUICK_CLIENTS} clients a round"
     )
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    parser.add_argument(
+        openmp_policy.SPIN_FLAG,
+        action="store_true",
+        help="libgomp's default spinning instead of fedloom's OMP_WAIT_POLICY=PASSIVE "
+        "(read before torch loads: benchmarks/openmp_policy.py)",
+    )
     args = parser.parse_args(argv)
     executors = [e.strip() for e in args.executors.split(",") if e.strip()]
     for spec in executors:
