@@ -254,9 +254,7 @@ def test_fedpacs_stacked_aligned_body_step_equals_its_vmapped_step():
         stacked, got = program.stacked_body_step(stacked, (Batch(x, y, w),), shared)
         vmapped, want = vmap(one)(vmapped, x, y, w)
         assert torch.allclose(got["loss"], want["loss"], atol=1e-6)
-    gap = max(
-        float((stacked["params"][k] - v).abs().max()) for k, v in vmapped["params"].items()
-    )
+    gap = max(float((stacked["params"][k] - v).abs().max()) for k, v in vmapped["params"].items())
     before = carries[0]["params"]
     moved = max(float((v[0] - before[k]).abs().max()) for k, v in vmapped["params"].items())
     assert gap <= 1e-6, gap

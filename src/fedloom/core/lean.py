@@ -25,6 +25,7 @@ import copy
 import torch
 from torch import nn
 
+from fedloom.core.pooling import install_fast_max_pools
 from fedloom.core.pytree import Tree
 
 try:  # torch's own entry to the C++ autograd engine, behind Tensor.backward
@@ -73,6 +74,7 @@ class LeanModule:
     def __init__(self, template: nn.Module, channels_last: bool = False) -> None:
         self.module = copy.deepcopy(template)
         self.module.train()
+        install_fast_max_pools(self.module)  # core/pooling.py: the same bits, faster
         named = list(self.module.named_parameters())
         self.keys = [k for k, _ in named]
         self.channels_last = _channels_last_keys(self.module) if channels_last else set()

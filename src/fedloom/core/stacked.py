@@ -11,7 +11,8 @@ module runs such steps directly (docs/executors.md; numbers in benchmarks/README
 - **Stacked weights.** Each parameter holds C clients' copies along a new leading dimension.
 - **One merged batch.** The C clients' minibatches are one batch of C*B samples, client c's
   rows at c*B .. (c+1)*B. Element-wise operations, pooling and flattening in the model's own
-  ``forward`` treat every sample alone, so they run unchanged; only the layers that hold
+  ``forward`` treat every sample alone, so they run unchanged (max-pooling on a channels-last
+  copy, the same bits: core/pooling.py); only the layers that hold
   parameters are swapped, for the duration of a call, for stacked versions: ``nn.Linear`` as
   one batched product per layer (``torch.baddbmm``), ``nn.Conv2d`` as one grouped
   convolution of C groups, or, for a layer with few input channels (an image model's first
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedloom.core.client_dropout import DROPOUT_LAYERS
+from fedloom.core.pooling import fast_max_pools
 from fedloom.core.stacked_chain import chain_forward, chain_gradients, output_gradient, relu_chain
 
 Tree = dict[str, torch.Tensor]
@@ -222,7 +224,8 @@ class StackedModel:
             else:
                 layer.forward = _stacked_conv(layer, weight, bias, clients)  # type: ignore[arg-type]
         try:
-            yield
+            with fast_max_pools(self.module):  # core/pooling.py: the same bits, faster
+                yield
         finally:
             for layer in self.layers.values():
                 del layer.forward  # back to the class's forward
