@@ -61,7 +61,7 @@ from fedloom.algorithms.wire import Wire
 from fedloom.core.protocol import ClientResult, ClientTask, Message, State
 from fedloom.core.pytree import Tree, clone
 from fedloom.core.rng import generator
-from fedloom.solvers import Batch, Carry, ClientProgram, ClientRun, Ops
+from fedloom.solvers import BATCHES, Batch, Carry, ClientProgram, ClientRun, Ops, Update
 
 
 class APPLEConfig(AlgorithmConfig):
@@ -182,11 +182,14 @@ class APPLE(Algorithm):
 
 class APPLEProgram(StepProgram):
     """The client side: the downloads into the client's copies in ``init`` (one client, in
-    Python), Eq. 5-6 as one step (both backends), the upload in ``finish``."""
+    Python), Eq. 5-6 as one step (both backends; stacked for a chunk on a stackable model,
+    :meth:`stacked_step`), the upload in ``finish``."""
 
     def __init__(self, algorithm: APPLE) -> None:
         super().__init__(algorithm)
         self.apple = algorithm
+        if self.model.stacked() is not None:  # APPLE refuses sample-level DP
+            self.updates = (Update(self.STEP, (BATCHES,), self.step, stacked=self.stacked_step),)
 
     def init(self, message: Message, state: State | None, task: ClientTask) -> Carry:
         """The client's copies with this round's downloads, split into its own core (which
@@ -235,6 +238,42 @@ class APPLEProgram(StepProgram):
         moved = {k: v - shared["lr"] * share * grads[k] for k, v in core.items()}
         new = {**carry, "core": moved, "p": p - shared["dr_lr"] * grad_p}
         return new, {"loss": loss}
+
+    def stacked_step(
+        self, carry: Carry, batches: tuple[Batch, ...], shared: dict[str, Any]
+    ) -> tuple[Carry, dict]:
+        """``step`` for a whole chunk of C clients on a stackable model (core/stacked.py):
+        the mixtures and <g, theta_j> as batched products over the chunk, the gradient at the
+        mixtures stacked."""
+        (batch,) = batches
+        core, others, p, own = carry["core"], carry["others"], carry["p"], carry["own"]
+        clients, m = p.shape
+        share = (p * own).sum(1)  # p_ii, (C,)
+
+        def per_client(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            return v.view(clients, *[1] * (like.dim() - 1))
+
+        mixed = {
+            k: torch.bmm(p.unsqueeze(1), v.reshape(clients, m, -1)).view_as(core[k])
+            + per_client(share, core[k]) * core[k]
+            for k, v in others.items()
+        }
+        stacked = self.model.stacked()
+        assert stacked is not None
+        grad, loss = stacked.value_and_grad(
+            mixed, batch.x, batch.y, batch.w, self.model.per_sample_loss, None, self.model.task
+        )
+        with torch.no_grad():
+            grads = {k: grad.materialize(k) for k in mixed}
+            flat = {k: g.reshape(clients, -1, 1) for k, g in grads.items()}
+            grad_p = sum(torch.bmm(others[k].reshape(clients, m, -1), g) for k, g in flat.items())
+            own_dot = sum(
+                (g.squeeze(-1) * core[k].reshape(clients, -1)).sum(1) for k, g in flat.items()
+            )
+            grad_p = grad_p.squeeze(-1) + own * own_dot.unsqueeze(1)
+            grad_p = grad_p + 2.0 * shared["coef"] * (p - carry["p0"])
+            moved = {k: v - shared["lr"] * per_client(share, v) * grads[k] for k, v in core.items()}
+        return {**carry, "core": moved, "p": p - shared["dr_lr"] * grad_p}, {"loss": loss}
 
     def finish(
         self, message: Message, state: State | None, task: ClientTask, run: ClientRun
