@@ -210,19 +210,23 @@ def test_fedpac_beats_fedavg_on_label_shards(data_root):
 
 
 # -- the stacked aligned body step (the vectorized executor on a stackable model) -------------
-def test_fedpacs_stacked_aligned_body_step_equals_its_vmapped_step():
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+def test_fedpacs_stacked_aligned_body_step_equals_its_vmapped_step(optimizer):
     """eq. 5-6 for three clients at once without vmap (``stacked_body_step``, the alignment
     term on the head's input features: core/stacked.py's ``FeaturePenalty``) takes the steps
     ``body_step`` takes under vmap: padded minibatches (zero-weight samples pull nothing) and
-    a class without a centroid included. Measured over 4 steps: 1.5e-8."""
+    a class without a centroid included. Measured over 4 steps: SGD 1.5e-8; AdamW, which
+    divides each step by the gradient's own size, 7.4e-6."""
     from torch.func import vmap
 
+    from fedloom.solvers.adamw import AdamW
     from fedloom.solvers.ops import FUNC
     from fedloom.solvers.vmap import stack_carries
     from tests.algorithms.digits_setup import digits_ctx
     from tests.algorithms.test_fedrep import digits_client
 
     ctx = digits_ctx()
+    ctx.optimizer = AdamW(weight_decay=0.05) if optimizer else None
     algo = build_algorithm({"name": "fedpac", "lamda": 2.0}, ctx)
     program = client_program(algo)
     assert program.updates[-1].stacked is not None
@@ -257,7 +261,7 @@ def test_fedpacs_stacked_aligned_body_step_equals_its_vmapped_step():
     gap = max(float((stacked["params"][k] - v).abs().max()) for k, v in vmapped["params"].items())
     before = carries[0]["params"]
     moved = max(float((v[0] - before[k]).abs().max()) for k, v in vmapped["params"].items())
-    assert gap <= 1e-6, gap
+    assert gap <= (1e-4 if optimizer else 1e-6), gap
     assert moved > 1e-3
     for k in HEAD:  # the head is frozen in the body's phase
         assert torch.equal(stacked["params"][k][0], before[k]), k
