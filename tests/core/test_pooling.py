@@ -14,7 +14,7 @@ from torch.func import grad, vmap
 
 import fedloom
 from fedloom.core import lean, pooling, stacked
-from fedloom.core.pooling import fast_max_pools, max_pool2d
+from fedloom.core.pooling import fast_max_pools, max_pool2d, max_pools
 
 CASES = [
     # kernel, stride, padding, dilation, ceil_mode
@@ -80,7 +80,7 @@ def test_swaps_max_pool_layers_for_the_block_only():
     pooling._ChannelsLastMaxPool.apply = counted  # type: ignore[method-assign]
     try:
         x = torch.randn(2, 1, 10, 10)
-        with fast_max_pools(model):
+        with fast_max_pools(max_pools(model)):
             assert "forward" in vars(pool) and "forward" not in vars(indexed)
             y = pool(model[0](x))
         assert "forward" not in vars(pool)  # back to the class's forward
@@ -116,8 +116,8 @@ def test_runs_train_the_same_bits_with_and_without_the_swap(model, executor, mon
         with monkeypatch.context() as m:
             m.setattr(pooling._ChannelsLastMaxPool, "apply", counted)
             if not swapped:  # nn.MaxPool2d runs F.max_pool2d in both trainers
-                m.setattr(lean, "install_fast_max_pools", lambda module: [])
-                m.setattr(stacked, "fast_max_pools", lambda module: contextlib.nullcontext())
+                m.setattr(lean, "install_fast_max_pools", lambda module: None)
+                m.setattr(stacked, "fast_max_pools", lambda layers: contextlib.nullcontext())
             runs.append(fedloom.run(cfg, data=data, write=False, progress=False))
         if swapped:
             assert calls, "the channels-last pooling never ran"

@@ -88,19 +88,24 @@ def _pooling(layer: nn.MaxPool2d) -> Any:
     return forward
 
 
-def install_fast_max_pools(module: nn.Module) -> list[nn.MaxPool2d]:
-    """Swap the forward of every ``nn.MaxPool2d`` of ``module`` (one that returns no indices)
-    for :func:`max_pool2d`, for good (a private copy that only fedloom runs); the layers."""
-    layers = [m for m in module.modules() if type(m) is nn.MaxPool2d and not m.return_indices]
-    for layer in layers:
+def max_pools(module: nn.Module) -> list[nn.MaxPool2d]:
+    """The ``nn.MaxPool2d`` layers of ``module`` that return no indices."""
+    return [m for m in module.modules() if type(m) is nn.MaxPool2d and not m.return_indices]
+
+
+def install_fast_max_pools(module: nn.Module) -> None:
+    """Swap the forward of every :func:`max_pools` layer of ``module`` for :func:`max_pool2d`,
+    for good: for a private copy that only fedloom runs (core/lean.py)."""
+    for layer in max_pools(module):
         layer.forward = _pooling(layer)  # type: ignore[method-assign]
-    return layers
 
 
 @contextmanager
-def fast_max_pools(module: nn.Module) -> Iterator[None]:
-    """:func:`install_fast_max_pools` for the duration of the block."""
-    layers = install_fast_max_pools(module)
+def fast_max_pools(layers: list[nn.MaxPool2d]) -> Iterator[None]:
+    """The forward of each of ``layers`` (:func:`max_pools`) swapped for :func:`max_pool2d`
+    for the duration of the block."""
+    for layer in layers:
+        layer.forward = _pooling(layer)  # type: ignore[method-assign]
     try:
         yield
     finally:

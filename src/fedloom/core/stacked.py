@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedloom.core.client_dropout import DROPOUT_LAYERS
-from fedloom.core.pooling import fast_max_pools
+from fedloom.core.pooling import fast_max_pools, max_pools
 from fedloom.core.stacked_chain import chain_forward, chain_gradients, output_gradient, relu_chain
 
 Tree = dict[str, torch.Tensor]
@@ -209,6 +209,8 @@ class StackedModel:
         self.chain = relu_chain(module)
         """The layers of a declared ReLU chain, whose backward runs by hand
         (core/stacked_chain.py); None: autograd's."""
+        self.pools = max_pools(module)
+        """Max-pooling layers, run on a channels-last copy while bound (core/pooling.py)."""
 
     @contextmanager
     def bound(self, params: Tree, clients: int, taps: Taps | None = None) -> Iterator[None]:
@@ -224,7 +226,7 @@ class StackedModel:
             else:
                 layer.forward = _stacked_conv(layer, weight, bias, clients)  # type: ignore[arg-type]
         try:
-            with fast_max_pools(self.module):  # core/pooling.py: the same bits, faster
+            with fast_max_pools(self.pools):  # core/pooling.py: the same bits, faster
                 yield
         finally:
             for layer in self.layers.values():
