@@ -50,6 +50,7 @@ from torch import nn
 
 from fedloom.core.client_dropout import DROPOUT_LAYERS
 from fedloom.core.pooling import fast_max_pools, max_pools
+from fedloom.core.skinny import stacked_linear
 from fedloom.core.stacked_chain import chain_forward, chain_gradients, output_gradient, relu_chain
 
 Tree = dict[str, torch.Tensor]
@@ -329,11 +330,7 @@ def _stacked_linear(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(clients, -1, x.shape[-1])  # client c's samples are rows c*n .. (c+1)*n
-        out = (
-            torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
-            if bias is not None
-            else torch.bmm(rows, weight.transpose(1, 2))
-        )
+        out = stacked_linear(rows, weight, bias)  # core/skinny.py: oneDNN for large weights
         if taps is not None:
             if taps.watch == name:
                 taps.features = rows
