@@ -60,6 +60,23 @@ CONV_SHAPES = (
 
 
 # -- FLOPs --------------------------------------------------------------------------------------
+WEIGHT_PASSES = 4
+"""Passes over a layer's weights a client step at least: the forward reads them, the input
+gradient reads them (not for a first layer), and the SGD update reads and writes them (the
+stacked path's ``baddbmm_``; a trainer that forms the gradient first moves more)."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One Conv or Linear layer: ``kind`` (``conv`` or ``gemm``), FLOPs a sample (forward and
+    gradients) and weight bytes moved a client step (WEIGHT_PASSES, one fewer for a first
+    layer)."""
+
+    kind: str
+    flops: float
+    weight_bytes: float
+
+
 @dataclass
 class FlopCount:
     """FLOPs of one sample through the Conv and Linear layers (2 per multiply-accumulate):
@@ -72,6 +89,8 @@ class FlopCount:
     conv: float = 0.0
     gemm: float = 0.0
     layers: list[str] = field(default_factory=list)
+    costs: list[LayerCost] = field(default_factory=list)
+    """Each layer's FLOPs a sample and weight bytes a client step, for the memory roof."""
 
     @property
     def total(self) -> float:
@@ -117,6 +136,9 @@ def count_flops(module: nn.Module, sample: torch.Tensor) -> FlopCount:
         count.input_grad += flops if needs_input_grad else 0.0
         setattr(count, kind, getattr(count, kind) + flops + grads)
         count.layers.append(f"{type(m).__name__}:{int(macs)}{'' if needs_input_grad else '*'}")
+        weights = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        passes = WEIGHT_PASSES - (0 if needs_input_grad else 1)
+        count.costs.append(LayerCost(kind, flops + grads, float(passes * weights)))
 
     training = module.training
     handles = [m.register_forward_hook(hook) for m in module.modules()]
@@ -154,11 +176,28 @@ def conv_rate(batch: int, cin: int, size: int, cout: int, repeats: int = 7) -> f
     return 3 * 2.0 * macs / min(times)
 
 
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a float32 tensor of ``megabytes`` is copied at (read plus write), the
+    fastest of ``repeats``, on all cores: the memory roof's bandwidth."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    with round_time.threads(None):
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            dst.copy_(src)
+            if i:  # the first call is a warm-up (and faults the pages in)
+                times.append(time.perf_counter() - start)
+    return 2.0 * src.numel() * 4 / min(times)
+
+
 def measure_peaks(
-    gemm_size: int = 2048, shapes: tuple[tuple[int, ...], ...] = CONV_SHAPES
+    gemm_size: int = 2048,
+    shapes: tuple[tuple[int, ...], ...] = CONV_SHAPES,
+    copy_megabytes: int = 256,
 ) -> dict[str, Any]:
     """The GEMM peak (``round_time.matmul_peak``) and the convolution peak (the fastest of
-    ``shapes``), FLOP/s, at the run's thread count (all cores)."""
+    ``shapes``), FLOP/s, and the copy bandwidth, at the run's thread count (all cores)."""
     gemm = round_time.matmul_peak(gemm_size)
     by_shape = {"x".join(map(str, s)): conv_rate(*s) for s in shapes}
     return {
@@ -167,6 +206,7 @@ def measure_peaks(
         "conv_gflops": max(by_shape.values()) / 1e9,
         "conv_by_shape_gflops": {k: v / 1e9 for k, v in by_shape.items()},
         "gemm_size": gemm_size,
+        "bandwidth_gbs": copy_bandwidth(copy_megabytes) / 1e9,
     }
 
 
@@ -175,6 +215,7 @@ def merge_peaks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     out["gemm_gflops"] = max(a["gemm_gflops"], b["gemm_gflops"])
     out["conv_gflops"] = max(a["conv_gflops"], b["conv_gflops"])
+    out["bandwidth_gbs"] = max(a["bandwidth_gbs"], b["bandwidth_gbs"])
     out["conv_by_shape_gflops"] = {
         k: max(v, b["conv_by_shape_gflops"].get(k, 0.0))
         for k, v in a["conv_by_shape_gflops"].items()
@@ -187,6 +228,21 @@ def roofline_seconds(flops: dict[str, float], peaks: dict[str, Any]) -> float:
     rate, Linear layers at the GEMM rate."""
     return flops["conv"] / (peaks["conv_gflops"] * 1e9) + flops["gemm"] / (
         peaks["gemm_gflops"] * 1e9
+    )
+
+
+def memory_roofline_seconds(
+    costs: list[LayerCost], samples: float, client_steps: float, peaks: dict[str, Any]
+) -> float:
+    """Seconds of a round at the memory-aware roofline: each layer takes the longer of its
+    FLOPs at its peak and its weight traffic (``client_steps`` local steps of all clients)
+    at the copy bandwidth. A layer that reads a large weight for a few rows a step (the
+    12544 -> 128 layer of ``simple_cnn`` at B = 10) is bound by the second."""
+    rate = {"conv": peaks["conv_gflops"] * 1e9, "gemm": peaks["gemm_gflops"] * 1e9}
+    bandwidth = peaks["bandwidth_gbs"] * 1e9
+    return sum(
+        max(c.flops * samples / rate[c.kind], c.weight_bytes * client_steps / bandwidth)
+        for c in costs
     )
 
 
@@ -348,7 +404,9 @@ def measure(
         "round_gflop": flops["total"] / 1e9,
         "flops": {k: v / 1e9 for k, v in flops.items()},
         "layers": per_sample.layers,
+        "layer_costs": [[c.kind, c.flops, c.weight_bytes] for c in per_sample.costs],
         "round_samples": bench.round_samples,
+        "client_steps": bench.round_samples / bench.batch_size,
         "executors": {},
     }
     runners: dict[str, Runner] = {}
@@ -369,7 +427,6 @@ def measure(
             for spec, runner in runners.items():
                 t = runner.round()
                 round_time.log(f"{bench.name} {spec}: round {r + 1} {t:.3f} s")
-    floor = roofline_seconds(flops, peaks)
     for spec, runner in runners.items():
         median = statistics.median(runner.times)
         entry["executors"][spec].update(
@@ -379,12 +436,28 @@ def measure(
                 "choice": runner.choice(),
                 "threads": runner.threads or os.cpu_count() or 1,
                 "achieved_gflops": flops["total"] / median / 1e9,
-                "roofline_s": floor,
-                "share_of_peak": floor / median,
             }
         )
         runner.close()
+    set_shares(entry, peaks)
     return entry
+
+
+def set_shares(entry: dict[str, Any], peaks: dict[str, Any]) -> None:
+    """Each executor's share of the compute roofline (``share_of_peak``) and of the
+    memory-aware one (``share_of_memory_roof``), at ``peaks``."""
+    flops = {k: v * 1e9 for k, v in entry["flops"].items()}
+    floor = roofline_seconds(flops, peaks)
+    costs = [LayerCost(*c) for c in entry["layer_costs"]]
+    memory_floor = memory_roofline_seconds(
+        costs, entry["round_samples"], entry["client_steps"], peaks
+    )
+    for e in entry["executors"].values():
+        if "s_per_round" in e:
+            e["roofline_s"] = floor
+            e["share_of_peak"] = floor / e["s_per_round"]
+            e["memory_roofline_s"] = memory_floor
+            e["share_of_memory_roof"] = memory_floor / e["s_per_round"]
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -396,9 +469,12 @@ def format_table(results: dict[str, Any]) -> str:
         "(float32 conv2d 3x3 forward + weight and input gradients; by shape "
         + ", ".join(f"{k}: {v:.1f}" for k, v in peaks["conv_by_shape_gflops"].items())
         + ")",
+        f"copy bandwidth {peaks['bandwidth_gbs']:.1f} GB/s (read + write); mem roof: each layer "
+        f"at the longer of its FLOPs at the peak and {WEIGHT_PASSES} passes over its weights a "
+        "client step",
         f"{'workload':<14}{'executor':<16}{'s/round':>10}{'GFLOP':>9}{'GFLOP/s':>9}"
-        f"{'roof s':>9}{'peak':>8}  picked / note",
-        "-" * 96,
+        f"{'roof s':>9}{'peak':>8}{'mem roof s':>11}{'share':>7}  picked / note",
+        "-" * 114,
     ]
     for name, entry in results["workloads"].items():
         for spec, e in entry["executors"].items():
@@ -407,7 +483,8 @@ def format_table(results: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"{name:<14}{spec:<16}{e['s_per_round']:>10.4f}{entry['round_gflop']:>9.3g}"
-                f"{e['achieved_gflops']:>9.1f}{e['roofline_s']:>9.4f}{e['share_of_peak']:>7.1%}"
+                f"{e['achieved_gflops']:>9.1f}{e['roofline_s']:>9.4f}{e['share_of_peak']:>8.1%}"
+                f"{e['memory_roofline_s']:>11.4f}{e['share_of_memory_roof']:>7.1%}"
                 f"  {e['choice'] if e['choice'] != spec else ''}"
             )
         if entry["note"]:
@@ -432,13 +509,7 @@ def run(
     after = measure_peaks(gemm_size, conv_shapes)
     best = merge_peaks(peaks, after)
     for b in benches:  # shares against the higher peaks
-        entry = workloads[b.name]
-        flops = {k: v * 1e9 for k, v in entry["flops"].items()}
-        floor = roofline_seconds(flops, best)
-        for e in entry["executors"].values():
-            if "s_per_round" in e:
-                e["roofline_s"] = floor
-                e["share_of_peak"] = floor / e["s_per_round"]
+        set_shares(workloads[b.name], best)
     return {
         "peaks": best,
         "workloads": workloads,

@@ -37,6 +37,12 @@ def test_flop_count_equals_the_hand_count(roofline: Any) -> None:
     assert count.input_grad == 2 * 72
     assert count.total == 2 * (2 * 162 + 3 * 72)
     assert count.conv == 2 * 2 * 162 and count.gemm == 3 * 2 * 72
+    # weight bytes a client step: 3 passes over the first layer's 20 float32 parameters (no
+    # input gradient), 4 over the Linear's 76
+    assert [(c.kind, c.flops, c.weight_bytes) for c in count.costs] == [
+        ("conv", 2 * 2 * 162, 3 * 4 * 20),
+        ("gemm", 3 * 2 * 72, 4 * 4 * 76),
+    ]
     assert model.training  # its mode is given back
     # a first layer that is Linear (after a Flatten) gets no input gradient either
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.ReLU(), nn.Linear(3, 2))
@@ -66,9 +72,14 @@ def test_tiny_workloads_run_end_to_end(roofline: Any) -> None:
     )
     assert results["peaks"]["gemm_gflops"] > 0 and results["peaks"]["conv_gflops"] > 0
     two_nn = results["workloads"]["fedavg_2nn"]
+    assert results["peaks"]["bandwidth_gbs"] > 0
     for spec in ("sequential/t1", "vectorized/t1"):
         entry = two_nn["executors"][spec]
         assert entry["s_per_round"] > 0 and entry["share_of_peak"] > 0
+        # each layer at the longer of its compute and its weight traffic: never below the
+        # compute roofline
+        assert entry["memory_roofline_s"] >= entry["roofline_s"]
+        assert entry["share_of_memory_roof"] >= entry["share_of_peak"]
     # 2 clients x 20 samples through the 2NN, first layer without an input gradient
     macs = 784 * 200 + 200 * 200 + 200 * 10
     assert two_nn["round_gflop"] == pytest.approx(40 * 2 * (3 * macs - 784 * 200) / 1e9)
