@@ -77,9 +77,10 @@ def test_tiny_workloads_run_end_to_end(roofline: Any) -> None:
         entry = two_nn["executors"][spec]
         assert entry["s_per_round"] > 0 and entry["share_of_peak"] > 0
         # each layer at the longer of its compute and its weight traffic: never below the
-        # compute roofline
-        assert entry["memory_roofline_s"] >= entry["roofline_s"]
-        assert entry["share_of_memory_roof"] >= entry["share_of_peak"]
+        # compute roofline (summed per layer, so equal up to float rounding when no layer is
+        # bound by its traffic)
+        assert entry["memory_roofline_s"] >= entry["roofline_s"] * (1 - 1e-12)
+        assert entry["share_of_memory_roof"] >= entry["share_of_peak"] * (1 - 1e-12)
     # 2 clients x 20 samples through the 2NN, first layer without an input gradient
     macs = 784 * 200 + 200 * 200 + 200 * 10
     assert two_nn["round_gflop"] == pytest.approx(40 * 2 * (3 * macs - 784 * 200) / 1e9)
