@@ -164,11 +164,8 @@ def test_stacked_step_equals_the_vmapped_step():
     <g, theta_j> as batched products, the gradient at the mixtures stacked) takes the steps
     ``step`` takes under vmap, from relationship vectors and copies of their own and with a
     padded minibatch. Measured over 4 steps: cores 1.5e-8, p 3.0e-8."""
-    from torch.func import vmap
 
-    from fedloom.solvers.ops import FUNC
-    from fedloom.solvers.program import Batch
-    from fedloom.solvers.vmap import stack_carries
+    from tests.algorithms.stacked_setup import step_both
 
     algorithm = apple(mu=0.1, L=1.0, dr_learning_rate=0.2)
     program = client_program(algorithm)
@@ -191,18 +188,9 @@ def test_stacked_step_equals_the_vmapped_step():
         xs.append(x)
         ys.append(y)
     shared = program.shared({"cores": latest}, task)
-    leaves, spec = stack_carries(carries, torch.device("cpu"))
-    stacked, vmapped = spec.build([v.clone() for v in leaves]), spec.build(leaves)
     x, y, w = torch.stack(xs), torch.stack(ys), torch.ones(3, 12)
     w[2, 7:] = 0.0  # client 2's minibatch is padded
-
-    def one(carry, x, y, w):
-        return program.step(FUNC, carry, (Batch(x, y, w),), shared)
-
-    for _ in range(4):
-        stacked, got = program.stacked_step(stacked, (Batch(x, y, w),), shared)
-        vmapped, want = vmap(one)(vmapped, x, y, w)
-        assert torch.allclose(got["loss"], want["loss"], atol=1e-6)
+    stacked, vmapped = step_both(carries, (x, y, w), program.stacked_step, program.step, shared)
     gap = max(float((stacked["core"][k] - v).abs().max()) for k, v in vmapped["core"].items())
     gap_p = float((stacked["p"] - vmapped["p"]).abs().max())
     moved = max(

@@ -206,15 +206,12 @@ def test_dittos_stacked_personal_step_equals_its_vmapped_step(optimizer):
     120,000 whose gradient cancels to 1e-7 (the data term against the proximal pull): AdamW
     divides it by its own size (sqrt(v) + eps), so the two summation orders' 1e-9 become
     steps 0.7% of lr apart."""
-    from torch.func import vmap
 
     from fedloom.algorithms import ClientTask, build_algorithm
     from fedloom.algorithms.client import client_program
     from fedloom.solvers.adamw import AdamW
-    from fedloom.solvers.ops import FUNC
-    from fedloom.solvers.program import Batch
-    from fedloom.solvers.vmap import stack_carries
     from tests.algorithms.digits_setup import digits_ctx
+    from tests.algorithms.stacked_setup import step_both
     from tests.algorithms.test_fedrep import digits_client
 
     ctx = digits_ctx()
@@ -238,16 +235,15 @@ def test_dittos_stacked_personal_step_equals_its_vmapped_step(optimizer):
         xs.append(data.x_train[:16])
         ys.append(data.y_train[:16])
     shared = program.shared(message, task)
-    leaves, spec = stack_carries(carries, torch.device("cpu"))
-    stacked, vmapped = spec.build([v.clone() for v in leaves]), spec.build(leaves)
-    x, y, w = torch.stack(xs), torch.stack(ys), torch.ones(3, 16)
-
-    def one(carry, x, y, w):
-        return program.personal_step(FUNC, carry, (Batch(x, y, w),), shared)
-
-    for _ in range(4):
-        stacked, _ = program.stacked_personal_step(stacked, (Batch(x, y, w),), shared)
-        vmapped, _ = vmap(one, in_dims=(0, 0, 0, 0))(vmapped, x, y, w)
+    batch = (torch.stack(xs), torch.stack(ys), torch.ones(3, 16))
+    stacked, vmapped = step_both(
+        carries,
+        batch,
+        program.stacked_personal_step,
+        program.personal_step,
+        shared,
+        loss_atol=None,
+    )
     gap = max(
         float((stacked["personal"]["params"][k] - v).abs().max())
         for k, v in vmapped["personal"]["params"].items()

@@ -217,12 +217,10 @@ def test_fedpacs_stacked_aligned_body_step_equals_its_vmapped_step(optimizer):
     ``body_step`` takes under vmap: padded minibatches (zero-weight samples pull nothing) and
     a class without a centroid included. Measured over 4 steps: SGD 1.5e-8; AdamW, which
     divides each step by the gradient's own size, 7.4e-6."""
-    from torch.func import vmap
 
     from fedloom.solvers.adamw import AdamW
-    from fedloom.solvers.ops import FUNC
-    from fedloom.solvers.vmap import stack_carries
     from tests.algorithms.digits_setup import digits_ctx
+    from tests.algorithms.stacked_setup import step_both
     from tests.algorithms.test_fedrep import digits_client
 
     ctx = digits_ctx()
@@ -245,19 +243,12 @@ def test_fedpacs_stacked_aligned_body_step_equals_its_vmapped_step(optimizer):
         ys.append(data.y_train[:16])
     shared = program.shared(message, task)
     assert shared["aligned"]
-    leaves, spec = stack_carries(carries, torch.device("cpu"))
-    stacked, vmapped = spec.build([v.clone() for v in leaves]), spec.build(leaves)
     x, y, w = torch.stack(xs), torch.stack(ys), torch.ones(3, 16)
     w[1, 10:] = 0.0  # client 1's minibatch is padded
     assert bool((y == 7).any())
-
-    def one(carry, x, y, w):
-        return program.body_step(FUNC, carry, (Batch(x, y, w),), shared)
-
-    for _ in range(4):
-        stacked, got = program.stacked_body_step(stacked, (Batch(x, y, w),), shared)
-        vmapped, want = vmap(one)(vmapped, x, y, w)
-        assert torch.allclose(got["loss"], want["loss"], atol=1e-6)
+    stacked, vmapped = step_both(
+        carries, (x, y, w), program.stacked_body_step, program.body_step, shared
+    )
     gap = max(float((stacked["params"][k] - v).abs().max()) for k, v in vmapped["params"].items())
     before = carries[0]["params"]
     moved = max(float((v[0] - before[k]).abs().max()) for k, v in vmapped["params"].items())
